@@ -1,0 +1,113 @@
+"""The Celery app: JSON only, two queues (retrying and single-attempt), no result backend.
+
+The message of a call carries its idempotency key and nothing else: the store holds the
+arguments, the policy snapshot and the status, so a message can be republished at any time and
+a stale or duplicate one can do no harm.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from celery import Celery
+from kombu import Queue
+
+from dex_tasks.models import ToolCallRow
+from dex_tasks.policy import EffectClass
+from dex_tasks.settings import DexSettings
+
+RETRYING_QUEUE = "dex.retrying"
+SINGLE_ATTEMPT_QUEUE = "dex.single_attempt"
+RUN_RETRYING = "dex.call_tool"
+RUN_SINGLE_ATTEMPT = "dex.call_single_attempt_tool"
+SWEEP = "dex.sweep"
+
+
+def create_app(settings: DexSettings) -> Celery:
+    """A Celery app configured for dex-tasks, with the task kinds registered."""
+    app = Celery("dex_tasks", broker=settings.redis_url, set_as_current=False)
+    transport = {
+        "visibility_timeout": settings.visibility_timeout_seconds,
+        "socket_connect_timeout": settings.publish_timeout_seconds,
+        "socket_timeout": max(5.0, settings.publish_timeout_seconds),
+        "socket_keepalive": True,
+        "health_check_interval": 10,
+    }
+    app.conf.update(
+        # Never pickle: write access to the broker plus pickle is remote code execution.
+        task_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        result_serializer="json",
+        # The store is the record of every call; a result backend would be a second one.
+        result_backend=None,
+        task_ignore_result=True,
+        task_store_errors_even_if_ignored=False,
+        task_default_queue=RETRYING_QUEUE,
+        task_queues=[Queue(RETRYING_QUEUE), Queue(SINGLE_ATTEMPT_QUEUE)],
+        task_routes={
+            RUN_RETRYING: {"queue": RETRYING_QUEUE},
+            RUN_SINGLE_ATTEMPT: {"queue": SINGLE_ATTEMPT_QUEUE},
+            SWEEP: {"queue": RETRYING_QUEUE},
+        },
+        # One message at a time per child: a prefetched message is one a dying worker takes
+        # with it, and one the visibility timeout may hand to a second worker.
+        worker_prefetch_multiplier=1,
+        broker_transport_options=transport,
+        broker_connection_retry_on_startup=True,
+        broker_connection_timeout=settings.publish_timeout_seconds,
+        broker_pool_limit=10,
+        worker_hijack_root_logger=False,
+        worker_send_task_events=False,
+        task_send_sent_event=False,
+        enable_utc=True,
+    )
+    app.dex_settings = settings  # type: ignore[attr-defined]
+
+    from dex_tasks.execution import register_tasks
+
+    register_tasks(app)
+    return app
+
+
+def task_name_for(effect: EffectClass) -> str:
+    """The task kind that runs calls of this effect class."""
+    return RUN_RETRYING if effect.retrying else RUN_SINGLE_ATTEMPT
+
+
+def publish(app: Celery, call: ToolCallRow, *, countdown: float | None = None) -> None:
+    """Send the message that makes a worker run ``call``. Raises if the broker is unreachable.
+
+    Retries the connection briefly and then gives up, so ``call_tool`` never hangs on a dead
+    broker: the caller turns the error into a "did not run" record or leaves the call to the
+    republisher.
+    """
+    settings: DexSettings = app.dex_settings  # type: ignore[attr-defined]
+    effect = EffectClass(call.effect)
+    name = task_name_for(effect)
+    options: dict[str, Any] = {
+        "queue": RETRYING_QUEUE if effect.retrying else SINGLE_ATTEMPT_QUEUE,
+        "retry": True,
+        "retry_policy": {
+            "max_retries": 1,
+            "interval_start": 0,
+            "interval_step": settings.publish_timeout_seconds / 4,
+            "interval_max": settings.publish_timeout_seconds / 4,
+        },
+        # Shown by Flower and worker logs instead of the generic task name.
+        "shadow": f"{name}[{call.tool}]",
+    }
+    if countdown:
+        options["countdown"] = countdown
+    if call.expires_at is not None:
+        options["expires"] = datetime.fromtimestamp(call.expires_at, tz=timezone.utc)
+    if call.time_limit:
+        options["time_limit"] = call.time_limit
+        options["soft_time_limit"] = soft_limit(call.time_limit)
+    app.send_task(name, args=[call.key], **options)
+
+
+def soft_limit(time_limit: float) -> float:
+    """When the tool is warned (``SoftTimeLimitExceeded``) before the hard kill at the limit."""
+    return max(time_limit * 0.8, time_limit - 5.0)

@@ -1,0 +1,231 @@
+"""DexClient: what an agent process uses to run tool calls and read their records."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from datetime import timedelta
+from typing import Any, Mapping
+
+from celery import Celery
+
+from dex_tasks import catalog
+from dex_tasks.celery_app import create_app, publish
+from dex_tasks.errors import CallNotFoundError, ConflictError, DexError
+from dex_tasks.policy import EffectClass, ToolPolicy, resolve_policy, seconds
+from dex_tasks.records import AgentSnapshot, CallEvent, ToolCallRecord
+from dex_tasks.registry import InvalidArguments, canonical_json
+from dex_tasks.settings import DexSettings
+from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
+from dex_tasks.store import Store
+
+
+class InvalidCallError(DexError):
+    """A ``call_tool`` argument is malformed (an empty id, a ``/`` in an id, non-object args)."""
+
+
+def idempotency_key(session_id: str, turn_id: str, tool_call_id: str) -> str:
+    """``session/turn/call``: the call's identity, the same for every attempt."""
+    for field, value in (("session_id", session_id), ("turn_id", turn_id),
+                         ("tool_call_id", tool_call_id)):
+        if not isinstance(value, str) or not value:
+            raise InvalidCallError(f"{field} must be a non-empty string, got {value!r}")
+        if "/" in value:
+            raise InvalidCallError(f"{field} may not contain '/', got {value!r}")
+    return f"{session_id}/{turn_id}/{tool_call_id}"
+
+
+class DexClient:
+    """Runs tool calls through Celery and reads their records from the store."""
+
+    def __init__(self, settings: DexSettings | None = None, *, create_tables: bool = True) -> None:
+        self.settings = settings or DexSettings()
+        self.store = Store(self.settings.database_url)
+        if create_tables:
+            self.store.create_all()
+        self._app: Celery | None = None
+
+    @classmethod
+    def from_env(cls) -> DexClient:
+        """A client configured from the ``DEX_*`` environment variables."""
+        return cls(DexSettings())
+
+    @property
+    def app(self) -> Celery:
+        """The Celery app used to publish (created on first use)."""
+        if self._app is None:
+            self._app = create_app(self.settings)
+        return self._app
+
+    def close(self) -> None:
+        """Release broker and database connections."""
+        if self._app is not None:
+            self._app.close()
+        self.store.dispose()
+
+    def __enter__(self) -> DexClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # -- calls ----------------------------------------------------------------------------------
+
+    def call_tool(
+        self,
+        *,
+        session_id: str,
+        turn_id: str,
+        tool_call_id: str,
+        tool: str,
+        arguments: Mapping[str, Any] | None = None,
+        default_effect: EffectClass | str | None = None,
+        approval_deadline: float | timedelta | None = None,
+        expires_in: float | timedelta | None = None,
+    ) -> ToolCallRecord:
+        """Record a tool call and start it (or hold it for approval); returns its record.
+
+        Calling again with the same ids returns the same record without running anything; the
+        same ids with another tool or other arguments raise :class:`ConflictError`.
+        ``default_effect`` is the session's default, used when the tool has neither a policy
+        nor MCP hints. ``approval_deadline`` overrides the policy's (seconds from now);
+        ``expires_in`` bounds how long the call may wait in the queue before it fails as
+        "did not run".
+        """
+        key = idempotency_key(session_id, turn_id, tool_call_id)
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, Mapping):
+            raise InvalidCallError(
+                f"arguments must be a JSON object, got {type(arguments).__name__}"
+            )
+        args_json = canonical_json(dict(arguments))
+        existing = self.store.get_call(key)
+        if existing is not None:
+            return self._same_call(existing, tool, args_json)
+
+        info = catalog.lookup(self.store, tool)
+        policy = resolve_policy(info.policy, info.hints, default_effect)
+        invalid: str | None = None
+        if info.local is not None:
+            try:
+                info.local.validate(arguments)
+            except InvalidArguments as err:
+                invalid = str(err)
+        row, interrupt = self._new_row(
+            key, session_id, turn_id, tool_call_id, tool, args_json, policy,
+            approval_deadline=seconds(approval_deadline, "approval_deadline"),
+            expires_in=seconds(expires_in, "expires_in"),
+            hold=policy.needs_approval and invalid is None,
+        )
+        if not self.store.insert_call(row, interrupt):
+            # Another process inserted the same key first: theirs is the call.
+            existing = self.store.get_call(key)
+            assert existing is not None
+            return self._same_call(existing, tool, args_json)
+
+        if invalid is not None:
+            self.store.transition(key, CallStatus.FAILED, allowed={CallStatus.QUEUED},
+                                  values={"error": f"{TOOL_DID_NOT_RUN}: {invalid}"},
+                                  detail={"reason": "invalid_arguments"})
+        elif row["status"] == CallStatus.QUEUED.value:
+            self._publish_new(key)
+        return self.get_tool_call(key)
+
+    def _new_row(
+        self, key: str, session_id: str, turn_id: str, tool_call_id: str, tool: str,
+        args_json: str, policy: ToolPolicy, *, approval_deadline: float | None,
+        expires_in: float | None, hold: bool,
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        now = time.time()
+        interrupt = None
+        interrupt_id = None
+        if hold:
+            interrupt_id = uuid.uuid4().hex
+            deadline = approval_deadline or policy.approval_deadline
+            interrupt = {
+                "interrupt_id": interrupt_id,
+                "key": key,
+                "session_id": session_id,
+                "deadline_at": now + deadline if deadline else None,
+                "created_at": now,
+            }
+        row = {
+            "key": key,
+            "session_id": session_id,
+            "turn_id": turn_id,
+            "tool_call_id": tool_call_id,
+            "tool": tool,
+            "arguments": args_json,
+            "effect": policy.effect.value,
+            "requires_approval": policy.needs_approval,
+            "max_attempts": policy.attempts(self.settings.default_max_attempts),
+            "time_limit": policy.time_limit,
+            "status": (CallStatus.AWAITING_APPROVAL if hold else CallStatus.QUEUED).value,
+            "attempts": 0,
+            "interrupt_id": interrupt_id,
+            # Set before the publish so the republisher leaves a call being published alone.
+            "published_at": None if hold else now,
+            "expires_at": now + expires_in if expires_in else None,
+            "created_at": now,
+            "updated_at": now,
+        }
+        return row, interrupt
+
+    def _publish_new(self, key: str) -> None:
+        call = self.store.get_call(key)
+        assert call is not None
+        try:
+            publish(self.app, call)
+        except Exception as err:  # noqa: BLE001 - any publish failure means no worker got it
+            # If the message did get through after all, the worker's claim and this
+            # compare-and-set race: exactly one wins, and the record says which.
+            self.store.transition(
+                key, CallStatus.FAILED, allowed={CallStatus.QUEUED},
+                values={"error": f"{TOOL_DID_NOT_RUN}: the broker could not be reached "
+                                 f"({type(err).__name__}: {err})"},
+                detail={"reason": "broker_unreachable"},
+            )
+
+    @staticmethod
+    def _same_call(existing: Any, tool: str, args_json: str) -> ToolCallRecord:
+        if existing.tool != tool:
+            raise ConflictError(existing.key, "tool")
+        if existing.arguments != args_json:
+            raise ConflictError(existing.key, "arguments")
+        return ToolCallRecord.from_row(existing)
+
+    def get_tool_call(self, key: str) -> ToolCallRecord:
+        """The call's record; :class:`CallNotFoundError` if no call has that key."""
+        row = self.store.get_call(key)
+        if row is None:
+            raise CallNotFoundError(key)
+        return ToolCallRecord.from_row(row)
+
+    def wait(self, key: str, timeout: float = 30.0) -> ToolCallRecord:
+        """Block until the call is terminal and return it; ``TimeoutError`` after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        pause = 0.005
+        while True:
+            record = self.get_tool_call(key)
+            if record.terminal:
+                return record
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"call {key!r} is still {record.status.value} after {timeout}s"
+                )
+            time.sleep(min(pause, remaining))
+            pause = min(pause * 2, 0.2)
+
+    def get_agent_snapshot(self, session_id: str) -> AgentSnapshot:
+        """The session's tool calls (and, with approvals, its messages and interrupts)."""
+        calls = [ToolCallRecord.from_row(r) for r in self.store.calls_for_session(session_id)]
+        return AgentSnapshot(session_id=session_id, tool_calls=calls)
+
+    def events(self, session_id: str, after: int = 0) -> list[CallEvent]:
+        """The session's events after cursor ``after`` (an event's ``id``)."""
+        return [CallEvent.from_row(r) for r in self.store.events(session_id, after)]
+
+

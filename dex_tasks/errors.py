@@ -1,0 +1,83 @@
+"""The exception tree of dex-tasks.
+
+Every error the library raises on purpose derives from :class:`DexError`, so an agent loop can
+catch one type. The tree::
+
+    DexError
+    ├── ConfigurationError      a setting is missing or malformed
+    ├── UnknownToolError        no local tool and no catalog entry has that name
+    ├── ToolDefinitionError     a @tool function cannot be turned into a tool
+    ├── ConflictError           the idempotency key exists with another tool or other arguments
+    ├── CallNotFoundError       no call is stored under that key
+    ├── IllegalTransitionError  code asked the store for a status change the state machine forbids
+    ├── StoreUnavailableError   the SQL store could not be reached or refused the statement
+    └── InvalidTokenError       an approval token is forged, expired or for another session
+
+:class:`TransientToolError` is not a ``DexError``: tools raise it to ask for a retry.
+"""
+
+from __future__ import annotations
+
+
+class DexError(Exception):
+    """Root of every error dex-tasks raises."""
+
+
+class ConfigurationError(DexError):
+    """A setting is missing or has a value dex-tasks cannot use."""
+
+
+class UnknownToolError(DexError):
+    """No tool of that name is registered locally or published in the catalog."""
+
+    def __init__(self, tool: str) -> None:
+        super().__init__(f"unknown tool {tool!r}: no @tool of that name is registered in this "
+                         "process and no worker has published it to the catalog")
+        self.tool = tool
+
+
+class ToolDefinitionError(DexError):
+    """A function decorated with ``@tool`` cannot be turned into a tool."""
+
+
+class ConflictError(DexError):
+    """The idempotency key is already used by a call with another tool or other arguments."""
+
+    def __init__(self, key: str, field: str) -> None:
+        super().__init__(f"idempotency key {key!r} is already used by a call with a different "
+                         f"{field}; a key names exactly one call")
+        self.key = key
+        self.field = field
+
+
+class CallNotFoundError(DexError):
+    """No call is stored under that idempotency key."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"no tool call is stored under key {key!r}")
+        self.key = key
+
+
+class IllegalTransitionError(DexError):
+    """A status change that the call state machine does not allow was requested."""
+
+
+class StoreUnavailableError(DexError):
+    """The SQL store could not be reached, or it refused a statement."""
+
+
+class InvalidTokenError(DexError):
+    """An approval token is malformed, forged, expired or bound to another session."""
+
+
+class TransientToolError(Exception):
+    """Raise from a tool to ask for another attempt on the retrying path.
+
+    On the single-attempt path it is treated like any other failure: the call ends ``failed``.
+    ``retry_after`` (seconds) overrides the computed backoff when the service said how long to
+    wait.
+    """
+
+    def __init__(self, message: str = "", *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

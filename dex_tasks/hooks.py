@@ -1,0 +1,91 @@
+"""Celery signal handlers, all in one place. Each logs instead of raising.
+
+* ``worker_process_init``: a forked child drops the connections it inherited.
+* ``worker_ready``: the main process starts renewing the leases of the calls its children run.
+  Renewing from the main process, not the child, keeps leases alive while a tool holds the GIL
+  or the machine is loaded; a child that dies stops being in ``active_requests`` and its lease
+  runs out.
+* ``worker_shutdown``: stop renewing.
+* ``task_revoked``: a message that expired in the queue ends its call "did not run".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from celery import Celery, signals
+from celery.worker import state as worker_state
+
+from dex_tasks.celery_app import RUN_RETRYING, RUN_SINGLE_ATTEMPT
+from dex_tasks.execution import _did_not_run, reset_runtime, runtime
+
+log = logging.getLogger("dex_tasks.hooks")
+
+_CALL_TASKS = frozenset({RUN_RETRYING, RUN_SINGLE_ATTEMPT})
+
+
+class LeaseRenewer(threading.Thread):
+    """Renews the leases of the calls this worker's children are running."""
+
+    def __init__(self, app: Celery) -> None:
+        super().__init__(name="dex-lease-renewer", daemon=True)
+        self.app = app
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        rt = runtime(self.app)
+        interval = max(0.2, rt.settings.lease_seconds / 3)
+        while not self.stopped.wait(interval):
+            try:
+                self.renew_once()
+            except Exception:  # noqa: BLE001 - keep renewing; the next round may succeed
+                log.exception("lease renewal failed", extra={"action": "lease_renew_error"})
+
+    def renew_once(self) -> int:
+        """Extend every active call's lease by ``lease_seconds`` from now."""
+        rt = runtime(self.app)
+        by_host: dict[str, list[str]] = {}
+        for request in list(worker_state.active_requests):
+            if request.name in _CALL_TASKS and request.args:
+                by_host.setdefault(request.hostname, []).append(request.args[0])
+        until = time.time() + rt.settings.lease_seconds
+        return sum(rt.store.renew_leases(f"{host}:", keys, until)
+                   for host, keys in by_host.items())
+
+
+_renewer: LeaseRenewer | None = None
+
+
+def install(app: Celery) -> None:
+    """Connect the handlers for ``app``'s worker (called by ``dex-tasks worker``)."""
+
+    @signals.worker_process_init.connect(weak=False)
+    def _child_started(**_: Any) -> None:
+        reset_runtime()
+
+    @signals.worker_ready.connect(weak=False)
+    def _worker_ready(**_: Any) -> None:
+        global _renewer
+        _renewer = LeaseRenewer(app)
+        _renewer.start()
+        log.info("worker ready", extra={"action": "worker_ready"})
+
+    @signals.worker_shutdown.connect(weak=False)
+    def _worker_shutdown(**_: Any) -> None:
+        if _renewer is not None:
+            _renewer.stopped.set()
+
+    @signals.task_revoked.connect(weak=False)
+    def _revoked(request: Any = None, expired: bool = False, **_: Any) -> None:
+        if not expired or request is None or request.name not in _CALL_TASKS:
+            return
+        try:
+            rt = runtime(app)
+            call = rt.store.get_call(request.args[0])
+            if call is not None:
+                _did_not_run(rt.store, call, "it expired in the queue before a worker started it")
+        except Exception:  # noqa: BLE001
+            log.exception("could not record an expired call", extra={"action": "expire_error"})

@@ -1,0 +1,114 @@
+"""SQLModel tables: the store's schema.
+
+Timestamps are stored as UTC epoch seconds (floats): they compare and index the same way on
+SQLite and PostgreSQL, with no time-zone surprises. Views for users live in ``records.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from sqlalchemy import Column, Index, Text
+from sqlmodel import Field, SQLModel
+
+
+class ToolCallRow(SQLModel, table=True):
+    """One tool call, keyed by its idempotency key, with the policy snapshot taken at request."""
+
+    __tablename__ = "dex_tool_calls"
+    __table_args__ = (
+        # The lease reaper and the republisher look only at these, so both sweeps are
+        # O(calls in that status), not O(all calls).
+        Index("ix_dex_calls_status_lease", "status", "lease_expires_at"),
+        Index("ix_dex_calls_status_published", "status", "published_at"),
+    )
+
+    key: str = Field(primary_key=True, max_length=512)
+    session_id: str = Field(index=True, max_length=200)
+    turn_id: str = Field(max_length=200)
+    tool_call_id: str = Field(max_length=200)
+    tool: str = Field(max_length=200)
+    arguments: str = Field(sa_column=Column(Text, nullable=False))
+    # Policy snapshot: later policy changes affect only later calls.
+    effect: str = Field(max_length=32)
+    requires_approval: bool
+    max_attempts: int
+    time_limit: Optional[float] = None
+    status: str = Field(index=True, max_length=32)
+    prev_status: Optional[str] = Field(default=None, max_length=32)
+    result: Optional[str] = Field(default=None, sa_column=Column(Text, nullable=True))
+    error: Optional[str] = Field(default=None, sa_column=Column(Text, nullable=True))
+    attempts: int = 0
+    interrupt_id: Optional[str] = Field(default=None, max_length=64)
+    worker: Optional[str] = Field(default=None, max_length=255)
+    lease_expires_at: Optional[float] = None
+    published_at: Optional[float] = None
+    expires_at: Optional[float] = None
+    created_at: float
+    updated_at: float
+    finished_at: Optional[float] = None
+
+
+class CallEventRow(SQLModel, table=True):
+    """One transition of one call, written in the same transaction as the status change.
+
+    ``id`` is the cursor of the session's event stream.
+    """
+
+    __tablename__ = "dex_call_events"
+    __table_args__ = (Index("ix_dex_events_session_id", "session_id", "id"),)
+
+    id: Optional[int] = Field(default=None, primary_key=True)
+    session_id: str = Field(max_length=200)
+    key: str = Field(index=True, max_length=512)
+    event: str = Field(max_length=64)
+    from_status: Optional[str] = Field(default=None, max_length=32)
+    to_status: str = Field(max_length=32)
+    detail: Optional[str] = Field(default=None, sa_column=Column(Text, nullable=True))
+    created_at: float
+
+
+class InterruptRow(SQLModel, table=True):
+    """A pending (or decided) approval of one call."""
+
+    __tablename__ = "dex_interrupts"
+    __table_args__ = (
+        # The deadline sweep reads only undecided interrupts whose deadline passed: O(overdue).
+        Index("ix_dex_interrupts_open_deadline", "decision", "deadline_at"),
+    )
+
+    interrupt_id: str = Field(primary_key=True, max_length=64)
+    key: str = Field(unique=True, max_length=512)
+    session_id: str = Field(index=True, max_length=200)
+    deadline_at: Optional[float] = None
+    created_at: float
+    decision: Optional[str] = Field(default=None, max_length=32)
+    decided_by: Optional[str] = Field(default=None, max_length=200)
+    decided_at: Optional[float] = None
+    reason: Optional[str] = Field(default=None, sa_column=Column(Text, nullable=True))
+
+
+class MessageRow(SQLModel, table=True):
+    """A user message sent into a session; queued while a turn is open."""
+
+    __tablename__ = "dex_messages"
+
+    id: Optional[int] = Field(default=None, primary_key=True)
+    session_id: str = Field(index=True, max_length=200)
+    text: str = Field(sa_column=Column(Text, nullable=False))
+    status: str = Field(max_length=16)
+    created_at: float
+    delivered_at: Optional[float] = None
+
+
+class CatalogRow(SQLModel, table=True):
+    """A tool published by a worker: its policy, MCP hints and argument schema."""
+
+    __tablename__ = "dex_tool_catalog"
+
+    name: str = Field(primary_key=True, max_length=200)
+    policy: str = Field(sa_column=Column(Text, nullable=False))
+    hints: Optional[str] = Field(default=None, sa_column=Column(Text, nullable=True))
+    arguments_schema: str = Field(sa_column=Column(Text, nullable=False))
+    description: Optional[str] = Field(default=None, sa_column=Column(Text, nullable=True))
+    updated_at: float

@@ -1,0 +1,101 @@
+"""What users see: read-only views built from store rows."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import Any, Optional
+
+from pydantic import BaseModel
+
+from dex_tasks.models import CallEventRow, ToolCallRow
+from dex_tasks.policy import EffectClass
+from dex_tasks.states import CallStatus
+
+
+def _dt(value: float | None) -> datetime | None:
+    return None if value is None else datetime.fromtimestamp(value, tz=timezone.utc)
+
+
+class ToolCallRecord(BaseModel):
+    """One tool call as the agent (and the model) sees it."""
+
+    key: str
+    session_id: str
+    turn_id: str
+    tool_call_id: str
+    tool: str
+    arguments: dict[str, Any]
+    effect: EffectClass
+    requires_approval: bool
+    status: CallStatus
+    result: Any = None
+    error: Optional[str] = None
+    attempts: int = 0
+    max_attempts: int = 1
+    interrupt_id: Optional[str] = None
+    created_at: datetime
+    finished_at: Optional[datetime] = None
+
+    @property
+    def terminal(self) -> bool:
+        """True once the call has ended; it never changes after that."""
+        return self.status.terminal
+
+    @classmethod
+    def from_row(cls, row: ToolCallRow) -> ToolCallRecord:
+        """Build the view from a store row."""
+        return cls(
+            key=row.key,
+            session_id=row.session_id,
+            turn_id=row.turn_id,
+            tool_call_id=row.tool_call_id,
+            tool=row.tool,
+            arguments=json.loads(row.arguments),
+            effect=EffectClass(row.effect),
+            requires_approval=row.requires_approval,
+            status=CallStatus(row.status),
+            result=None if row.result is None else json.loads(row.result),
+            error=row.error,
+            attempts=row.attempts,
+            max_attempts=row.max_attempts,
+            interrupt_id=row.interrupt_id,
+            created_at=_dt(row.created_at),
+            finished_at=_dt(row.finished_at),
+        )
+
+
+class CallEvent(BaseModel):
+    """One transition in a session's event stream; ``id`` is the cursor."""
+
+    id: int
+    session_id: str
+    key: str
+    event: str
+    from_status: Optional[CallStatus] = None
+    to_status: CallStatus
+    detail: Optional[dict[str, Any]] = None
+    created_at: datetime
+
+    @classmethod
+    def from_row(cls, row: CallEventRow) -> CallEvent:
+        """Build the view from a store row."""
+        return cls(
+            id=row.id or 0,
+            session_id=row.session_id,
+            key=row.key,
+            event=row.event,
+            from_status=CallStatus(row.from_status) if row.from_status else None,
+            to_status=CallStatus(row.to_status),
+            detail=json.loads(row.detail) if row.detail else None,
+            created_at=_dt(row.created_at),
+        )
+
+
+class AgentSnapshot(BaseModel):
+    """A session as it stands: its tool calls, messages and pending approvals."""
+
+    session_id: str
+    tool_calls: list[ToolCallRecord]
+    messages: list[dict[str, Any]] = []
+    pending_interrupts: list[dict[str, Any]] = []

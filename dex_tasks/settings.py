@@ -1,0 +1,72 @@
+"""Typed settings, read once from the environment (``DEX_`` prefix) and passed around."""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class DexSettings(BaseSettings):
+    """Everything dex-tasks can be configured with.
+
+    Each field reads the environment variable ``DEX_<FIELD NAME IN CAPITALS>``.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="DEX_", extra="ignore")
+
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="Celery broker and claim keys.",
+    )
+    database_url: str = Field(
+        default="sqlite:///dex_tasks.db",
+        description="The store: sqlite:///path or postgresql+psycopg://....",
+    )
+    secret_key: SecretStr = Field(
+        default=SecretStr("dev-insecure-secret-change-me"),
+        description="Signs approval tokens. Set it in production.",
+    )
+    lease_seconds: float = Field(
+        default=30.0, gt=0,
+        description="How long a running call's lease lasts without renewal.",
+    )
+    republish_after_seconds: float = Field(
+        default=300.0, gt=0,
+        description="A queued call with no delivery for this long is republished.",
+    )
+    visibility_timeout_seconds: int = Field(
+        default=3600, gt=0,
+        description="Redis transport visibility timeout; must exceed the longest task.",
+    )
+    publish_timeout_seconds: float = Field(
+        default=2.0, gt=0,
+        description="How long call_tool may try to reach the broker before it gives up.",
+    )
+    claim_ttl_seconds: int = Field(
+        default=30 * 24 * 3600, gt=0,
+        description="TTL of the Redis claim key of a single-attempt call.",
+    )
+    sweep_interval_seconds: float = Field(
+        default=10.0, gt=0,
+        description="How often beat runs the sweeps.",
+    )
+    default_max_attempts: int = Field(
+        default=3, ge=1,
+        description="Attempts of a retrying call when its policy sets none.",
+    )
+    retry_backoff_base_seconds: float = Field(
+        default=1.0, ge=0,
+        description="First retry delay; doubled per attempt, with jitter.",
+    )
+    retry_backoff_max_seconds: float = Field(
+        default=60.0, ge=0,
+        description="Cap on the retry delay.",
+    )
+
+
+def settings_help() -> str:
+    """One line per setting with its environment variable, for CLI help texts."""
+    lines = []
+    for name, field in DexSettings.model_fields.items():
+        lines.append(f"DEX_{name.upper()}: {field.description}")
+    return "\n".join(lines)

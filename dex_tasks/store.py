@@ -1,0 +1,323 @@
+"""The SQL store: engine set-up, the one guarded transition function, and queries.
+
+``transition`` is the only code that writes a call's status. It is a compare-and-set
+(``UPDATE ... WHERE key = :key AND status IN (:allowed)``) whose row count says whether this
+caller won, and it writes the event row in the same transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+from sqlalchemy import Engine, event, insert, select, update
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
+from sqlalchemy.pool import NullPool
+from sqlalchemy.sql.elements import ColumnElement
+from sqlmodel import SQLModel, create_engine
+
+from dex_tasks.errors import IllegalTransitionError, StoreUnavailableError
+from dex_tasks.models import CallEventRow, CatalogRow, InterruptRow, ToolCallRow
+from dex_tasks.states import ALLOWED_FROM, CallStatus
+
+CALLS = ToolCallRow.__table__  # type: ignore[attr-defined]
+EVENTS = CallEventRow.__table__  # type: ignore[attr-defined]
+INTERRUPTS = InterruptRow.__table__  # type: ignore[attr-defined]
+CATALOG = CatalogRow.__table__  # type: ignore[attr-defined]
+
+
+def event_name(to: CallStatus) -> str:
+    """The stable name of the event a move to ``to`` writes."""
+    if to.terminal:
+        return "tool_call_finished"
+    return {
+        CallStatus.AWAITING_APPROVAL: "tool_call_awaiting_approval",
+        CallStatus.QUEUED: "tool_call_queued",
+        CallStatus.RUNNING: "tool_call_started",
+    }[to]
+
+
+def _sqlite_engine(url: str, *, immediate: bool) -> Engine:
+    # NullPool: a pooled SQLite connection must not cross a fork, and opening one is cheap.
+    engine = create_engine(url, poolclass=NullPool, connect_args={"timeout": 30})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Take over transaction control from pysqlite so BEGIN is ours to issue.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        # Writers take the lock up front: a deferred transaction that reads and then writes can
+        # fail with SQLITE_BUSY at once instead of waiting on busy_timeout.
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+    return engine
+
+
+class Store:
+    """Access to the SQL store. One per process; re-create (or ``dispose``) after a fork."""
+
+    def __init__(self, database_url: str) -> None:
+        self.url = database_url
+        self.is_sqlite = database_url.startswith("sqlite")
+        if self.is_sqlite:
+            self.engine = _sqlite_engine(database_url, immediate=True)
+            self.read_engine = _sqlite_engine(database_url, immediate=False)
+        else:
+            self.engine = create_engine(
+                database_url, pool_pre_ping=True, pool_size=5, max_overflow=10
+            )
+            self.read_engine = self.engine
+
+    def create_all(self) -> None:
+        """Create the tables and indexes that do not exist yet."""
+        with self._errors():
+            SQLModel.metadata.create_all(self.engine)
+
+    def dispose(self) -> None:
+        """Drop pooled connections (call in a forked child before first use)."""
+        self.engine.dispose(close=False)
+        if self.read_engine is not self.engine:
+            self.read_engine.dispose(close=False)
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        try:
+            yield
+        except IntegrityError:
+            raise
+        except (DBAPIError, SQLAlchemyError) as err:
+            raise StoreUnavailableError(
+                f"the store at {self.safe_url} failed: {type(err).__name__}: {err.orig if isinstance(err, DBAPIError) else err}"
+            ) from err
+
+    @property
+    def safe_url(self) -> str:
+        """The database URL without its password, for messages and logs."""
+        from sqlalchemy.engine import make_url
+
+        return make_url(self.url).render_as_string(hide_password=True)
+
+    @contextmanager
+    def write(self) -> Iterator[Connection]:
+        """A write transaction; commits on success, rolls back on error."""
+        with self._errors(), self.engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def read(self) -> Iterator[Connection]:
+        """A read-only transaction."""
+        with self._errors(), self.read_engine.connect() as conn:
+            yield conn
+
+    # -- the one function that changes a call's status ------------------------------------------
+
+    def transition(
+        self,
+        key: str,
+        to: CallStatus,
+        *,
+        allowed: Iterable[CallStatus] | None = None,
+        where: Sequence[ColumnElement[bool]] = (),
+        values: Mapping[str, Any] | None = None,
+        detail: Mapping[str, Any] | None = None,
+        now: float | None = None,
+        conn: Connection | None = None,
+    ) -> bool:
+        """Move call ``key`` to ``to`` if its status is one of ``allowed``; True if this won.
+
+        ``allowed`` defaults to every legal predecessor and must be a subset of them.
+        ``where`` adds guards (the owning worker, an attempt count); ``values`` sets other
+        columns in the same statement. The event row is written in the same transaction.
+        """
+        legal = ALLOWED_FROM[to]
+        sources = frozenset(legal if allowed is None else allowed)
+        if not sources or not sources <= legal:
+            illegal = sorted(s.value for s in sources - legal) or ["(none)"]
+            raise IllegalTransitionError(
+                f"call {key!r}: cannot move to {to.value} from {', '.join(illegal)}"
+            )
+        now = time.time() if now is None else now
+        fields: dict[str, Any] = {"updated_at": now, **(values or {})}
+        if to.terminal:
+            fields.setdefault("finished_at", now)
+            fields.setdefault("lease_expires_at", None)
+        stmt = (
+            update(CALLS)
+            .where(CALLS.c.key == key, CALLS.c.status.in_([s.value for s in sources]), *where)
+            # SET evaluates right-hand sides against the old row, so prev_status keeps the
+            # status we moved from, for the event row.
+            .values(prev_status=CALLS.c.status, status=to.value, **fields)
+            .returning(CALLS.c.session_id, CALLS.c.prev_status)
+        )
+        if conn is not None:
+            return self._transition_in(conn, stmt, key, to, detail, now)
+        with self.write() as tx:
+            return self._transition_in(tx, stmt, key, to, detail, now)
+
+    @staticmethod
+    def _transition_in(
+        conn: Connection,
+        stmt: Any,
+        key: str,
+        to: CallStatus,
+        detail: Mapping[str, Any] | None,
+        now: float,
+    ) -> bool:
+        row = conn.execute(stmt).first()
+        if row is None:
+            return False
+        conn.execute(
+            insert(EVENTS).values(
+                session_id=row.session_id,
+                key=key,
+                event=event_name(to),
+                from_status=row.prev_status,
+                to_status=to.value,
+                detail=json.dumps(dict(detail), default=str) if detail else None,
+                created_at=now,
+            )
+        )
+        return True
+
+    # -- calls ----------------------------------------------------------------------------------
+
+    def insert_call(
+        self, row: Mapping[str, Any], interrupt: Mapping[str, Any] | None = None
+    ) -> bool:
+        """Insert a new call (and its interrupt) with its first event; False if the key exists."""
+        try:
+            with self.write() as conn:
+                conn.execute(insert(CALLS).values(**row))
+                if interrupt is not None:
+                    conn.execute(insert(INTERRUPTS).values(**interrupt))
+                conn.execute(
+                    insert(EVENTS).values(
+                        session_id=row["session_id"],
+                        key=row["key"],
+                        event="tool_call_requested",
+                        from_status=None,
+                        to_status=row["status"],
+                        detail=None,
+                        created_at=row["created_at"],
+                    )
+                )
+        except IntegrityError:
+            return False
+        return True
+
+    def get_call(self, key: str) -> ToolCallRow | None:
+        """The stored call, or None."""
+        with self.read() as conn:
+            row = conn.execute(select(CALLS).where(CALLS.c.key == key)).mappings().first()
+        return ToolCallRow.model_validate(dict(row)) if row else None
+
+    def calls_for_session(self, session_id: str) -> list[ToolCallRow]:
+        """The session's calls, oldest first."""
+        with self.read() as conn:
+            rows = conn.execute(
+                select(CALLS)
+                .where(CALLS.c.session_id == session_id)
+                .order_by(CALLS.c.created_at, CALLS.c.key)
+            ).mappings()
+            return [ToolCallRow.model_validate(dict(r)) for r in rows]
+
+    def mark_published(self, key: str, now: float | None = None) -> None:
+        """Record when a message for a queued call was last published (not a status change)."""
+        with self.write() as conn:
+            conn.execute(
+                update(CALLS)
+                .where(CALLS.c.key == key, CALLS.c.status == CallStatus.QUEUED.value)
+                .values(published_at=time.time() if now is None else now)
+            )
+
+    def renew_leases(self, worker_prefix: str, keys: Sequence[str], until: float) -> int:
+        """Extend the leases of ``keys`` still running on this worker; returns rows touched."""
+        if not keys:
+            return 0
+        with self.write() as conn:
+            result = conn.execute(
+                update(CALLS)
+                .where(
+                    CALLS.c.key.in_(list(keys)),
+                    CALLS.c.status == CallStatus.RUNNING.value,
+                    CALLS.c.worker.like(worker_prefix + "%"),
+                )
+                .values(lease_expires_at=until)
+            )
+            return int(result.rowcount or 0)
+
+    def expired_leases(self, now: float, limit: int = 500) -> list[ToolCallRow]:
+        """Running calls whose lease ran out: their worker is gone or stopped renewing."""
+        with self.read() as conn:
+            rows = conn.execute(
+                select(CALLS)
+                .where(
+                    CALLS.c.status == CallStatus.RUNNING.value,
+                    CALLS.c.lease_expires_at < now,
+                )
+                .limit(limit)
+            ).mappings()
+            return [ToolCallRow.model_validate(dict(r)) for r in rows]
+
+    def stranded_queued(self, published_before: float, limit: int = 500) -> list[ToolCallRow]:
+        """Queued calls with no publish since ``published_before`` (never published included)."""
+        with self.read() as conn:
+            rows = conn.execute(
+                select(CALLS)
+                .where(
+                    CALLS.c.status == CallStatus.QUEUED.value,
+                    (CALLS.c.published_at < published_before) | CALLS.c.published_at.is_(None),
+                )
+                .limit(limit)
+            ).mappings()
+            return [ToolCallRow.model_validate(dict(r)) for r in rows]
+
+    def events(self, session_id: str, after: int = 0, limit: int = 1000) -> list[CallEventRow]:
+        """The session's events with ``id > after``, in order."""
+        with self.read() as conn:
+            rows = conn.execute(
+                select(EVENTS)
+                .where(EVENTS.c.session_id == session_id, EVENTS.c.id > after)
+                .order_by(EVENTS.c.id)
+                .limit(limit)
+            ).mappings()
+            return [CallEventRow.model_validate(dict(r)) for r in rows]
+
+    def events_for_call(self, key: str) -> list[CallEventRow]:
+        """Every event of one call, in order."""
+        with self.read() as conn:
+            rows = conn.execute(
+                select(EVENTS).where(EVENTS.c.key == key).order_by(EVENTS.c.id)
+            ).mappings()
+            return [CallEventRow.model_validate(dict(r)) for r in rows]
+
+    # -- catalog --------------------------------------------------------------------------------
+
+    def publish_catalog(self, entries: Iterable[Mapping[str, Any]]) -> int:
+        """Upsert catalog entries (one per tool); returns how many were written."""
+        count = 0
+        with self.write() as conn:
+            for entry in entries:
+                done = conn.execute(
+                    update(CATALOG).where(CATALOG.c.name == entry["name"]).values(**entry)
+                ).rowcount
+                if not done:
+                    conn.execute(insert(CATALOG).values(**entry))
+                count += 1
+        return count
+
+    def get_catalog(self, name: str) -> CatalogRow | None:
+        """The published catalog entry of one tool."""
+        with self.read() as conn:
+            row = conn.execute(select(CATALOG).where(CATALOG.c.name == name)).mappings().first()
+        return CatalogRow.model_validate(dict(row)) if row else None

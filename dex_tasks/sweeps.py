@@ -1,0 +1,116 @@
+"""Periodic jobs run by beat (and by ``dex-tasks sweep``): each takes ``now`` and is idempotent.
+
+Two beats, or a beat and an operator, may run the same job at once: every change goes through
+the store's guarded transition, so whoever comes second changes nothing. A short Redis lock per
+job only saves the duplicate work.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Callable
+
+from dex_tasks import claims
+from dex_tasks.celery_app import publish
+from dex_tasks.policy import EffectClass
+from dex_tasks.states import CallStatus
+
+if TYPE_CHECKING:
+    from dex_tasks.execution import Runtime
+
+log = logging.getLogger("dex_tasks.sweeps")
+
+
+def reap_expired_leases(rt: Runtime, now: float | None = None) -> int:
+    """Finish or requeue running calls whose lease ran out (their worker is gone).
+
+    Returns how many calls it moved.
+    """
+    from dex_tasks.execution import handle_lost_attempt
+
+    now = time.time() if now is None else now
+    moved = 0
+    for call in rt.store.expired_leases(now):
+        status = handle_lost_attempt(
+            rt, call.key, call.worker,
+            "the worker running the tool stopped renewing its lease (presumed lost)",
+            republish=True,
+        )
+        moved += status is not None
+    return moved
+
+
+def republish_stranded(rt: Runtime, now: float | None = None) -> int:
+    """Republish queued calls whose message seems lost; returns how many it acted on.
+
+    A single-attempt call whose Redis claim was taken long ago but which never reached the
+    store's claim belongs to a worker that died between the two: no tool touched it, so it ends
+    "did not run" (the store's compare-and-set keeps that safe if the worker is only slow).
+    """
+    from dex_tasks.execution import _did_not_run
+
+    now = time.time() if now is None else now
+    window = rt.settings.republish_after_seconds
+    acted = 0
+    for call in rt.store.stranded_queued(now - window):
+        if call.expires_at is not None and now > call.expires_at:
+            acted += _did_not_run(rt.store, call, "it expired in the queue before a worker "
+                                  "started it")
+            continue
+        if not EffectClass(call.effect).retrying:
+            claim = claims.read_claim(rt.redis, call.key)
+            if claim is not None:
+                if now - float(claim.get("at", 0)) > window:
+                    acted += _did_not_run(
+                        rt.store, call,
+                        "the worker that received it stopped before starting the tool",
+                    )
+                continue
+        try:
+            publish(rt.app, call)
+        except Exception:  # noqa: BLE001 - broker down: try again next sweep
+            log.warning("republish failed", extra={"action": "republish_failed",
+                                                   "key": call.key})
+            continue
+        rt.store.mark_published(call.key, now)
+        log.info("stranded call republished", extra={"action": "republished", "key": call.key})
+        acted += 1
+    return acted
+
+
+JOBS: dict[str, Callable[..., int]] = {
+    "reap_expired_leases": reap_expired_leases,
+    "republish_stranded": republish_stranded,
+}
+
+
+def run_job(rt: Runtime, job: str, now: float | None = None) -> int:
+    """Run one named job, under a short lock so concurrent runs do not duplicate work."""
+    try:
+        fn = JOBS[job]
+    except KeyError:
+        raise ValueError(f"unknown sweep job {job!r}; known: {', '.join(sorted(JOBS))}") from None
+    lock = f"dex:sweep-lock:{job}"
+    ttl = max(1, int(rt.settings.sweep_interval_seconds))
+    got_lock = True
+    try:
+        got_lock = bool(rt.redis.set(lock, "1", nx=True, ex=ttl))
+    except Exception:  # noqa: BLE001 - the lock only saves work; run without it
+        log.warning("sweep lock unavailable", extra={"action": "sweep_lock_error", "job": job})
+    if not got_lock:
+        return 0
+    try:
+        count = fn(rt, now)
+    finally:
+        try:
+            rt.redis.delete(lock)
+        except Exception:  # noqa: BLE001
+            pass
+    log.info("sweep done", extra={"action": "sweep", "job": job, "count": count})
+    return count
+
+
+def run_all(rt: Runtime, now: float | None = None) -> dict[str, int]:
+    """Run every job once (``dex-tasks sweep``)."""
+    return {job: run_job(rt, job, now) for job in JOBS}

@@ -1,0 +1,1 @@
+"""Worker entry points and the example tools used by the tests and the demo."""
