@@ -23,6 +23,8 @@ from dex_tasks.settings import DexSettings
 from dex_tasks.states import OUTCOME_UNKNOWN_TOOL_RESULT, TOOL_DID_NOT_RUN, CallStatus
 
 __all__ = [
+    "OUTCOME_UNKNOWN_TOOL_RESULT",
+    "TOOL_DID_NOT_RUN",
     "AgentSnapshot",
     "CallEvent",
     "CallNotFoundError",
@@ -37,9 +39,7 @@ __all__ = [
     "InvalidCallError",
     "InvalidPolicyError",
     "InvalidTokenError",
-    "OUTCOME_UNKNOWN_TOOL_RESULT",
     "StoreUnavailableError",
-    "TOOL_DID_NOT_RUN",
     "Tool",
     "ToolCallRecord",
     "ToolContext",

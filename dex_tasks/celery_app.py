@@ -7,11 +7,11 @@ a stale or duplicate one can do no harm.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from celery import Celery
-from kombu import Queue
+from kombu.entity import Queue
 
 from dex_tasks.models import ToolCallRow
 from dex_tasks.policy import EffectClass
@@ -45,7 +45,7 @@ def create_app(settings: DexSettings) -> Celery:
         task_ignore_result=True,
         task_store_errors_even_if_ignored=False,
         task_default_queue=RETRYING_QUEUE,
-        task_queues=[Queue(RETRYING_QUEUE), Queue(SINGLE_ATTEMPT_QUEUE)],
+        task_queues=[Queue(RETRYING_QUEUE), Queue(SINGLE_ATTEMPT_QUEUE)],  # type: ignore[no-untyped-call]
         task_routes={
             RUN_RETRYING: {"queue": RETRYING_QUEUE},
             RUN_SINGLE_ATTEMPT: {"queue": SINGLE_ATTEMPT_QUEUE},
@@ -101,7 +101,7 @@ def publish(app: Celery, call: ToolCallRow, *, countdown: float | None = None) -
     if countdown:
         options["countdown"] = countdown
     if call.expires_at is not None:
-        options["expires"] = datetime.fromtimestamp(call.expires_at, tz=timezone.utc)
+        options["expires"] = datetime.fromtimestamp(call.expires_at, tz=UTC)
     if call.time_limit:
         options["time_limit"] = call.time_limit
         options["soft_time_limit"] = soft_limit(call.time_limit)

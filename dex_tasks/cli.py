@@ -8,7 +8,6 @@ import logging
 import os
 import sys
 import tempfile
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -52,7 +51,8 @@ def worker(
     store.create_all()
     count = catalog.publish(store, local_tools().values())
     store.dispose()
-    logging.basicConfig(level=loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(level=loglevel.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("dex_tasks").info("catalog published", extra={"action": "catalog_published",
                                                                      "tools": count})
     celery = create_app(settings)
@@ -128,7 +128,7 @@ def show(key: str = typer.Argument(..., help="The call's idempotency key.")) -> 
     console.print_json(json.dumps({"call": record.model_dump(mode="json"), "events": events}))
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """Entry point of the console script."""
     app(args=argv)
 

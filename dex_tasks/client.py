@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Mapping
+from typing import Any
 
 from celery import Celery
 

@@ -337,7 +337,7 @@ def _error_text(err: BaseException) -> str:
 # -- the worker's main process ------------------------------------------------------------------
 
 
-class DexRequest(Request):
+class DexRequest(Request):  # type: ignore[misc]
     """Celery request that records lost attempts from the worker's main process.
 
     ``on_failure`` here runs in the parent, also when the child was SIGKILLed
@@ -373,7 +373,7 @@ class DexRequest(Request):
             # limit acks it, so that retry needs a new message.
             republish = isinstance(exc, TimeLimitExceeded)
             handle_lost_attempt(runtime(self.task.app), key, owner, reason, republish=republish)
-        except Exception:  # noqa: BLE001 - never break Celery's own failure handling
+        except Exception:
             log.exception("could not record a lost attempt", extra={"action": "lost_hook_error"})
 
 

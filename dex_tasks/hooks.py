@@ -41,7 +41,7 @@ class LeaseRenewer(threading.Thread):
         while not self.stopped.wait(interval):
             try:
                 self.renew_once()
-            except Exception:  # noqa: BLE001 - keep renewing; the next round may succeed
+            except Exception:
                 log.exception("lease renewal failed", extra={"action": "lease_renew_error"})
 
     def renew_once(self) -> int:
@@ -87,5 +87,5 @@ def install(app: Celery) -> None:
             call = rt.store.get_call(request.args[0])
             if call is not None:
                 _did_not_run(rt.store, call, "it expired in the queue before a worker started it")
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("could not record an expired call", extra={"action": "expire_error"})

@@ -6,8 +6,6 @@ SQLite and PostgreSQL, with no time-zone surprises. Views for users live in ``re
 
 from __future__ import annotations
 
-from typing import Optional
-
 from sqlalchemy import Column, Index, Text
 from sqlmodel import Field, SQLModel
 
@@ -33,20 +31,20 @@ class ToolCallRow(SQLModel, table=True):
     effect: str = Field(max_length=32)
     requires_approval: bool
     max_attempts: int
-    time_limit: Optional[float] = None
+    time_limit: float | None = None
     status: str = Field(index=True, max_length=32)
-    prev_status: Optional[str] = Field(default=None, max_length=32)
-    result: Optional[str] = Field(default=None, sa_column=Column(Text, nullable=True))
-    error: Optional[str] = Field(default=None, sa_column=Column(Text, nullable=True))
+    prev_status: str | None = Field(default=None, max_length=32)
+    result: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    error: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     attempts: int = 0
-    interrupt_id: Optional[str] = Field(default=None, max_length=64)
-    worker: Optional[str] = Field(default=None, max_length=255)
-    lease_expires_at: Optional[float] = None
-    published_at: Optional[float] = None
-    expires_at: Optional[float] = None
+    interrupt_id: str | None = Field(default=None, max_length=64)
+    worker: str | None = Field(default=None, max_length=255)
+    lease_expires_at: float | None = None
+    published_at: float | None = None
+    expires_at: float | None = None
     created_at: float
     updated_at: float
-    finished_at: Optional[float] = None
+    finished_at: float | None = None
 
 
 class CallEventRow(SQLModel, table=True):
@@ -58,13 +56,13 @@ class CallEventRow(SQLModel, table=True):
     __tablename__ = "dex_call_events"
     __table_args__ = (Index("ix_dex_events_session_id", "session_id", "id"),)
 
-    id: Optional[int] = Field(default=None, primary_key=True)
+    id: int | None = Field(default=None, primary_key=True)
     session_id: str = Field(max_length=200)
     key: str = Field(index=True, max_length=512)
     event: str = Field(max_length=64)
-    from_status: Optional[str] = Field(default=None, max_length=32)
+    from_status: str | None = Field(default=None, max_length=32)
     to_status: str = Field(max_length=32)
-    detail: Optional[str] = Field(default=None, sa_column=Column(Text, nullable=True))
+    detail: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     created_at: float
 
 
@@ -80,12 +78,12 @@ class InterruptRow(SQLModel, table=True):
     interrupt_id: str = Field(primary_key=True, max_length=64)
     key: str = Field(unique=True, max_length=512)
     session_id: str = Field(index=True, max_length=200)
-    deadline_at: Optional[float] = None
+    deadline_at: float | None = None
     created_at: float
-    decision: Optional[str] = Field(default=None, max_length=32)
-    decided_by: Optional[str] = Field(default=None, max_length=200)
-    decided_at: Optional[float] = None
-    reason: Optional[str] = Field(default=None, sa_column=Column(Text, nullable=True))
+    decision: str | None = Field(default=None, max_length=32)
+    decided_by: str | None = Field(default=None, max_length=200)
+    decided_at: float | None = None
+    reason: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
 
 
 class MessageRow(SQLModel, table=True):
@@ -93,12 +91,12 @@ class MessageRow(SQLModel, table=True):
 
     __tablename__ = "dex_messages"
 
-    id: Optional[int] = Field(default=None, primary_key=True)
+    id: int | None = Field(default=None, primary_key=True)
     session_id: str = Field(index=True, max_length=200)
     text: str = Field(sa_column=Column(Text, nullable=False))
     status: str = Field(max_length=16)
     created_at: float
-    delivered_at: Optional[float] = None
+    delivered_at: float | None = None
 
 
 class CatalogRow(SQLModel, table=True):
@@ -108,7 +106,7 @@ class CatalogRow(SQLModel, table=True):
 
     name: str = Field(primary_key=True, max_length=200)
     policy: str = Field(sa_column=Column(Text, nullable=False))
-    hints: Optional[str] = Field(default=None, sa_column=Column(Text, nullable=True))
+    hints: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     arguments_schema: str = Field(sa_column=Column(Text, nullable=False))
-    description: Optional[str] = Field(default=None, sa_column=Column(Text, nullable=True))
+    description: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     updated_at: float

@@ -10,10 +10,11 @@ The effect class of a tool decides how its calls run:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any
 
 from dex_tasks.errors import DexError
 

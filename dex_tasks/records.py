@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
-from typing import Any, Optional
+from datetime import UTC, datetime
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -14,7 +14,7 @@ from dex_tasks.states import CallStatus
 
 
 def _dt(value: float | None) -> datetime | None:
-    return None if value is None else datetime.fromtimestamp(value, tz=timezone.utc)
+    return None if value is None else datetime.fromtimestamp(value, tz=UTC)
 
 
 class ToolCallRecord(BaseModel):
@@ -30,12 +30,12 @@ class ToolCallRecord(BaseModel):
     requires_approval: bool
     status: CallStatus
     result: Any = None
-    error: Optional[str] = None
+    error: str | None = None
     attempts: int = 0
     max_attempts: int = 1
-    interrupt_id: Optional[str] = None
+    interrupt_id: str | None = None
     created_at: datetime
-    finished_at: Optional[datetime] = None
+    finished_at: datetime | None = None
 
     @property
     def terminal(self) -> bool:
@@ -72,9 +72,9 @@ class CallEvent(BaseModel):
     session_id: str
     key: str
     event: str
-    from_status: Optional[CallStatus] = None
+    from_status: CallStatus | None = None
     to_status: CallStatus
-    detail: Optional[dict[str, Any]] = None
+    detail: dict[str, Any] | None = None
     created_at: datetime
 
     @classmethod

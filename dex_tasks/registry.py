@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Generic, Mapping, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
@@ -112,7 +113,7 @@ def _arguments_model(fn: Callable[..., Any], tool_name: str) -> type[BaseModel]:
     fields: dict[str, Any] = {}
     try:
         hints = inspect.get_annotations(fn, eval_str=True)
-    except Exception as err:  # noqa: BLE001 - any failure to resolve annotations is a definition error
+    except Exception as err:
         raise ToolDefinitionError(f"tool {tool_name!r}: cannot resolve annotations: {err}") from err
     for param in params[1:]:
         if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):

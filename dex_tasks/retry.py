@@ -31,7 +31,7 @@ def backoff(attempt: int, base: float, cap: float, rng: random.Random | None = N
     """
     rng = rng or random.Random()
     ceiling = min(cap, base * (2 ** max(0, attempt - 1)))
-    return ceiling / 2 + rng.uniform(0, ceiling / 2)
+    return float(ceiling / 2 + rng.uniform(0, ceiling / 2))
 
 
 def after_transient_error(

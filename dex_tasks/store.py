@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from sqlalchemy import Engine, event, insert, select, update
 from sqlalchemy.engine import Connection
@@ -96,8 +97,9 @@ class Store:
         except IntegrityError:
             raise
         except (DBAPIError, SQLAlchemyError) as err:
+            cause = err.orig if isinstance(err, DBAPIError) else err
             raise StoreUnavailableError(
-                f"the store at {self.safe_url} failed: {type(err).__name__}: {err.orig if isinstance(err, DBAPIError) else err}"
+                f"the store at {self.safe_url} failed: {type(err).__name__}: {cause}"
             ) from err
 
     @property

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from dex_tasks import claims
 from dex_tasks.celery_app import publish
 from dex_tasks.policy import EffectClass
-from dex_tasks.states import CallStatus
 
 if TYPE_CHECKING:
     from dex_tasks.execution import Runtime

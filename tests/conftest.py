@@ -1,0 +1,143 @@
+"""Fixtures: a private Redis server, a fresh store per test, and real worker processes."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from sqlalchemy import create_engine, text
+
+from dex_tasks import DexClient, DexSettings
+from tests.helpers import RedisServer, WorkerProcess, free_port, start_process
+
+POSTGRES_URL = os.environ.get("DEX_TEST_POSTGRES_URL", "")
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A private redis-server for the whole run, so parallel runs never share queues."""
+    server = RedisServer(free_port()).start()
+    yield server
+    server.cleanup()
+
+
+_db_numbers = itertools.cycle(range(1, 64))
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """A flushed Redis database of its own for this test."""
+    url = f"{redis_server.url}/{next(_db_numbers)}"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    client.close()
+    return url
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'dex.db'}"
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A fresh PostgreSQL database, dropped after the test."""
+    if not POSTGRES_URL:
+        if os.environ.get("CI"):
+            pytest.fail("DEX_TEST_POSTGRES_URL must be set on CI")
+        pytest.skip("DEX_TEST_POSTGRES_URL is not set")
+    name = f"dex_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    base, _, _ = POSTGRES_URL.rpartition("/")
+    yield f"{base}/{name}"
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request: pytest.FixtureRequest) -> str:
+    """Each store test runs once on SQLite and once on PostgreSQL."""
+    fixture = "sqlite_url" if request.param == "sqlite" else "postgres_url"
+    return str(request.getfixturevalue(fixture))
+
+
+def fast_settings(redis_url: str, database_url: str, **overrides: object) -> DexSettings:
+    """Settings with short leases and windows, so failures surface in seconds."""
+    values: dict[str, object] = {
+        "redis_url": redis_url,
+        "database_url": database_url,
+        "secret_key": "test-secret-key",
+        "lease_seconds": 3.0,
+        "republish_after_seconds": 2.0,
+        "sweep_interval_seconds": 0.5,
+        "retry_backoff_base_seconds": 0.05,
+        "retry_backoff_max_seconds": 0.2,
+        "publish_timeout_seconds": 1.0,
+    }
+    values.update(overrides)
+    return DexSettings(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def settings(redis_url: str, sqlite_url: str) -> DexSettings:
+    return fast_settings(redis_url, sqlite_url)
+
+
+@pytest.fixture
+def ledger_path(tmp_path: Path) -> Path:
+    return tmp_path / "ledger.jsonl"
+
+
+def settings_env(settings: DexSettings, ledger: Path | None = None) -> dict[str, str]:
+    """The environment a subprocess needs to see ``settings``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEX_")}
+    for name, value in settings.model_dump().items():
+        if hasattr(value, "get_secret_value"):
+            value = value.get_secret_value()
+        env[f"DEX_{name.upper()}"] = str(value)
+    if ledger is not None:
+        env["DEX_EXAMPLE_LEDGER"] = str(ledger)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.fixture
+def env(settings: DexSettings, ledger_path: Path) -> dict[str, str]:
+    return settings_env(settings, ledger_path)
+
+
+@pytest.fixture
+def client(settings: DexSettings) -> Iterator[DexClient]:
+    with DexClient(settings) as c:
+        yield c
+
+
+StartWorker = Callable[..., WorkerProcess]
+
+
+@pytest.fixture
+def start_worker(env: dict[str, str], tmp_path: Path) -> Iterator[StartWorker]:
+    """Start ``dex-tasks worker`` subprocesses; all are killed at teardown."""
+    started: list[WorkerProcess] = []
+    counter = itertools.count()
+
+    def start(concurrency: int = 2, tools: str = "workers.example_tools",
+              extra_env: dict[str, str] | None = None, wait: bool = True) -> WorkerProcess:
+        log_path = tmp_path / f"worker-{next(counter)}.log"
+        proc = start_process(["worker", "--tools", tools, "-c", str(concurrency)],
+                             {**env, **(extra_env or {})}, log_path)
+        worker = WorkerProcess(proc, log_path)
+        started.append(worker)
+        return worker.wait_ready() if wait else worker
+
+    yield start
+    for worker in started:
+        worker.stop()
