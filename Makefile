@@ -26,3 +26,7 @@ beat:
 
 api:
 	.venv/bin/dex-tasks api
+
+## make demo: the whole system on embedded Redis + SQLite, every path, a summary table
+demo:
+	.venv/bin/dex-tasks demo

@@ -3,13 +3,17 @@
 The public names are re-exported here; see ``DESIGN.md`` for the contract they keep.
 """
 
+from dex_tasks.approvals import APPROVAL_DEADLINE_PASSED, APPROVAL_REJECTED
+from dex_tasks.async_client import AsyncDexClient
 from dex_tasks.client import DexClient, InvalidCallError, idempotency_key
 from dex_tasks.errors import (
     CallNotFoundError,
     ConfigurationError,
     ConflictError,
     DexError,
+    ForbiddenSessionError,
     IllegalTransitionError,
+    InvalidArgumentError,
     InvalidTokenError,
     StoreUnavailableError,
     ToolDefinitionError,
@@ -17,29 +21,47 @@ from dex_tasks.errors import (
     UnknownToolError,
 )
 from dex_tasks.policy import EffectClass, InvalidPolicyError, ToolPolicy
-from dex_tasks.records import AgentSnapshot, CallEvent, ToolCallRecord
+from dex_tasks.reconcile import report_unknown_outcomes
+from dex_tasks.records import (
+    AgentSnapshot,
+    CallEvent,
+    Decision,
+    PendingInterrupt,
+    SessionMessage,
+    ToolCallRecord,
+)
 from dex_tasks.registry import Tool, ToolContext, tool
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import OUTCOME_UNKNOWN_TOOL_RESULT, TOOL_DID_NOT_RUN, CallStatus
+from dex_tasks.tokens import TokenClaims, issue_token, verify_token
 
 __all__ = [
+    "APPROVAL_DEADLINE_PASSED",
+    "APPROVAL_REJECTED",
     "OUTCOME_UNKNOWN_TOOL_RESULT",
     "TOOL_DID_NOT_RUN",
     "AgentSnapshot",
+    "AsyncDexClient",
     "CallEvent",
     "CallNotFoundError",
     "CallStatus",
     "ConfigurationError",
     "ConflictError",
+    "Decision",
     "DexClient",
     "DexError",
     "DexSettings",
     "EffectClass",
+    "ForbiddenSessionError",
     "IllegalTransitionError",
+    "InvalidArgumentError",
     "InvalidCallError",
     "InvalidPolicyError",
     "InvalidTokenError",
+    "PendingInterrupt",
+    "SessionMessage",
     "StoreUnavailableError",
+    "TokenClaims",
     "Tool",
     "ToolCallRecord",
     "ToolContext",
@@ -48,5 +70,8 @@ __all__ = [
     "TransientToolError",
     "UnknownToolError",
     "idempotency_key",
+    "issue_token",
+    "report_unknown_outcomes",
     "tool",
+    "verify_token",
 ]

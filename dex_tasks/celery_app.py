@@ -56,6 +56,8 @@ def create_app(settings: DexSettings) -> Celery:
         worker_prefetch_multiplier=1,
         broker_transport_options=transport,
         broker_connection_retry_on_startup=True,
+        # Survives Redis going away while messages are unacked (see DexConsumer).
+        worker_consumer="dex_tasks.execution:DexConsumer",
         broker_connection_timeout=settings.publish_timeout_seconds,
         broker_pool_limit=10,
         worker_hijack_root_logger=False,

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from dex_tasks import catalog
 from dex_tasks.celery_app import RETRYING_QUEUE, SINGLE_ATTEMPT_QUEUE, create_app
+from dex_tasks.logs import FORMATS, setup_process_logging
 from dex_tasks.registry import local_tools
 from dex_tasks.settings import DexSettings, settings_help
 from dex_tasks.store import Store
@@ -26,6 +27,19 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console()
+
+LOG_FORMAT_OPTION = typer.Option(
+    "text", "--log-format",
+    help=f"Log lines as {' or '.join(FORMATS)} (json: one object per line, for collectors).",
+    callback=lambda value: check_log_format(value),
+)
+
+
+def check_log_format(value: str) -> str:
+    """Refuse an unknown --log-format with a message that names the choices."""
+    if value not in FORMATS:
+        raise typer.BadParameter(f"must be one of {', '.join(FORMATS)}, got {value!r}")
+    return value
 
 
 def import_tool_modules(modules: str) -> list[str]:
@@ -43,16 +57,17 @@ def worker(
     tools: str = typer.Option(..., "--tools", help="Tool modules to import, comma-separated."),
     concurrency: int = typer.Option(2, "-c", "--concurrency", help="Worker processes."),
     loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
+    log_format: str = LOG_FORMAT_OPTION,
 ) -> None:
     """Run a prefork Celery worker for the tools in MODULE[,MODULE]."""
     settings = DexSettings()
+    setup_process_logging(log_format, loglevel, settings.secret_key.get_secret_value(),
+                          celery=True)
     import_tool_modules(tools)
     store = Store(settings.database_url)
     store.create_all()
     count = catalog.publish(store, local_tools().values())
     store.dispose()
-    logging.basicConfig(level=loglevel.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("dex_tasks").info("catalog published", extra={"action": "catalog_published",
                                                                      "tools": count})
     celery = create_app(settings)
@@ -60,6 +75,8 @@ def worker(
 
     hooks.install(celery)
     celery.worker_main([
+        # JSON logs: no banner, so every line a collector reads is one JSON object.
+        *(["--quiet"] if log_format == "json" else []),
         "worker",
         "-Q", f"{RETRYING_QUEUE},{SINGLE_ATTEMPT_QUEUE}",
         "-c", str(concurrency),
@@ -72,15 +89,56 @@ def worker(
 
 
 @app.command()
-def beat(loglevel: str = typer.Option("INFO", "--loglevel", "-l")) -> None:
+def beat(
+    loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
+    log_format: str = LOG_FORMAT_OPTION,
+) -> None:
     """Run Celery beat with the schedule from beat_schedule.py."""
     import beat_schedule
 
     settings = DexSettings()
+    setup_process_logging(log_format, loglevel, settings.secret_key.get_secret_value(),
+                          celery=True)
     celery = create_app(settings)
     celery.conf.beat_schedule = beat_schedule.build(settings)
     state = os.path.join(tempfile.gettempdir(), f"dex-beat-{os.getuid()}-{os.getpid()}")
-    celery.start(["beat", "--loglevel", loglevel, "--schedule", state])
+    quiet = ["--quiet"] if log_format == "json" else []
+    celery.start([*quiet, "beat", "--loglevel", loglevel, "--schedule", state])
+
+
+@app.command()
+def api(
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="TCP port."),
+    loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
+    log_format: str = LOG_FORMAT_OPTION,
+) -> None:
+    """Serve the HTTP API and the approval page (OpenAPI at /docs)."""
+    from dex_tasks.api import serve
+
+    settings = DexSettings()
+    setup_process_logging(log_format, loglevel, settings.secret_key.get_secret_value(),
+                          celery=False)
+    serve(settings, host=host, port=port, log_level=loglevel.lower())
+
+
+@app.command()
+def demo(
+    keep_running: bool = typer.Option(
+        False, "--keep-running",
+        help="Leave the stack up after the run (with an approval waiting for you); Ctrl-C "
+             "stops it.",
+    ),
+) -> None:
+    """Run the whole system on this machine and drive an agent through every path.
+
+    With no configuration: an embedded Redis server, a SQLite store in a temporary folder, a
+    worker, beat and the API. DEX_REDIS_URL / DEX_DATABASE_URL replace them. Exits 0 only if
+    every path reached the outcome it announced; every process it started is stopped on exit.
+    """
+    from dex_tasks.demo import run
+
+    raise typer.Exit(run(keep_running=keep_running, console=console))
 
 
 @app.command()
@@ -126,6 +184,159 @@ def show(key: str = typer.Argument(..., help="The call's idempotency key.")) -> 
     events = [CallEvent.from_row(e).model_dump(mode="json")
               for e in client.store.events_for_call(key)]
     console.print_json(json.dumps({"call": record.model_dump(mode="json"), "events": events}))
+
+
+@app.command()
+def token(
+    session_id: str = typer.Argument(..., help="The session the token lets its holder operate."),
+    ttl: float = typer.Option(3600.0, "--ttl", help="Seconds until the token expires."),
+    approver: str | None = typer.Option(
+        None, "--approver", help="The name recorded with each decision made with the token."
+    ),
+) -> None:
+    """Print a token, signed with DEX_SECRET_KEY, to operate SESSION_ID (API and page)."""
+    from dex_tasks.errors import DexError
+    from dex_tasks.tokens import issue_token
+
+    settings = DexSettings()
+    secret = settings.secret_key.get_secret_value()
+    default = DexSettings.model_fields["secret_key"].default
+    if default is not None and secret == default.get_secret_value():
+        typer.echo("warning: DEX_SECRET_KEY is not set; this token is signed with the "
+                   "insecure development default", err=True)
+    try:
+        typer.echo(issue_token(secret, session_id, ttl, approver))
+    except DexError as err:
+        raise typer.BadParameter(str(err)) from None
+
+
+approvals_app = typer.Typer(help="List, approve and reject tool calls waiting for a person.",
+                            no_args_is_help=True)
+app.add_typer(approvals_app, name="approvals")
+
+
+def _cli_approver() -> str:
+    import getpass
+
+    try:
+        return f"cli:{getpass.getuser()}"
+    except Exception:  # noqa: BLE001 - no login name (a container): still say it was the CLI
+        return "cli"
+
+
+@approvals_app.command("list")
+def approvals_list(
+    session_id: str | None = typer.Argument(None, help="Only this session (default: all)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """List the calls waiting for approval, oldest first."""
+    from dex_tasks.approvals import list_pending
+
+    store = Store(DexSettings().database_url)
+    store.create_all()
+    pending = list_pending(store, session_id)
+    if as_json:
+        console.print_json(json.dumps([p.model_dump(mode="json") for p in pending]))
+        return
+    from rich.table import Column
+
+    # The interrupt id is what an operator copies into approve/reject: never wrap or cut it.
+    table = Table(Column("interrupt_id", no_wrap=True, min_width=32), "call",
+                  "tool", "arguments", "deadline (UTC)")
+    for p in pending:
+        table.add_row(p.interrupt_id, p.key, f"{p.tool} ({p.effect.value})",
+                      json.dumps(p.arguments)[:200],
+                      p.deadline.strftime("%Y-%m-%d %H:%M:%S") if p.deadline else "none")
+    console.print(table)
+
+
+def _decide(session_id: str, interrupt_id: str, approved: bool, message: str | None,
+            approver: str | None) -> None:
+    import time
+
+    from dex_tasks.approvals import get_interrupt
+    from dex_tasks.client import DexClient
+
+    with DexClient(DexSettings()) as client:
+        who = approver or _cli_approver()
+        if client.resolve_interrupt(session_id, interrupt_id, approved,
+                                    rejection_message=message, approver=who):
+            row = get_interrupt(client.store, interrupt_id)
+            call = client.get_tool_call(row.key) if row else None
+            status = call.status.value if call else "?"
+            typer.echo(f"decided: {'approved' if approved else 'rejected'} interrupt "
+                       f"{interrupt_id} as {who}; call {call.key if call else '?'} is {status}")
+            return
+        row = get_interrupt(client.store, interrupt_id)
+        if row is None or row.session_id != session_id:
+            why = f"session {session_id!r} has no interrupt {interrupt_id!r}"
+        elif row.decision is not None:
+            by = row.decided_by or ("the deadline sweep" if row.decision == "expired" else "?")
+            why = f"it was already {row.decision} by {by}"
+        elif row.deadline_at is not None and row.deadline_at <= time.time():
+            why = "its approval deadline has passed"
+        else:
+            why = "it could not be decided (see the logs)"
+        typer.echo(f"not decided: {why}", err=True)
+        raise typer.Exit(1)
+
+
+@approvals_app.command("approve")
+def approvals_approve(
+    session_id: str = typer.Argument(..., help="The call's session."),
+    interrupt_id: str = typer.Argument(..., help="From `dex-tasks approvals list`."),
+    approver: str | None = typer.Option(None, "--approver",
+                                        help="Recorded as who decided (default: cli:$USER)."),
+) -> None:
+    """Approve a waiting call: it runs. Exit status 1 if this did not decide it."""
+    _decide(session_id, interrupt_id, True, None, approver)
+
+
+@approvals_app.command("reject")
+def approvals_reject(
+    session_id: str = typer.Argument(..., help="The call's session."),
+    interrupt_id: str = typer.Argument(..., help="From `dex-tasks approvals list`."),
+    message: str | None = typer.Option(None, "--message", "-m",
+                                       help="Why; the model reads it in the call's error."),
+    approver: str | None = typer.Option(None, "--approver",
+                                        help="Recorded as who decided (default: cli:$USER)."),
+) -> None:
+    """Reject a waiting call: it never runs. Exit status 1 if this did not decide it."""
+    _decide(session_id, interrupt_id, False, message, approver)
+
+
+@app.command()
+def reconcile(
+    session_id: str = typer.Argument(..., help="The session whose outcome_unknown calls to check."),
+    tools: str | None = typer.Option(
+        None, "--tools", help="Tool modules whose @tool.reconciler checkers to use (a,b)."
+    ),
+) -> None:
+    """Ask the tools' checkers what happened to SESSION_ID's outcome_unknown calls and report it.
+
+    Each answer goes into the session as a user message naming the call's key. Calls reported
+    before are skipped, so running this again sends nothing new.
+    """
+    from dex_tasks.client import DexClient
+    from dex_tasks.reconcile import reconcile_with_reconcilers
+
+    if tools:
+        import_tool_modules(tools)
+    with DexClient(DexSettings()) as client:
+        result = reconcile_with_reconcilers(client.store, session_id)
+    for report in result.reported:
+        console.print(f"[green]reported[/green] {report.key}: {report.text}", highlight=False)
+    for key in result.unanswered:
+        console.print(f"[yellow]not known yet[/yellow] {key}: its checker returned no answer",
+                      highlight=False)
+    for key, error in result.failed.items():
+        console.print(f"[red]checker failed[/red] {key}: {error}", highlight=False)
+    for key in result.no_checker:
+        console.print(f"[yellow]no checker[/yellow] {key}: its tool has no @tool.reconciler in "
+                      f"{tools or '(no --tools given)'}", highlight=False)
+    if not (result.reported or result.unanswered or result.failed or result.no_checker):
+        console.print(f"nothing to report: session {session_id!r} has no unreported "
+                      "outcome_unknown calls", highlight=False)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from celery import Celery
 
-from dex_tasks import catalog
+from dex_tasks import approvals, catalog
 from dex_tasks.celery_app import create_app, publish
 from dex_tasks.errors import CallNotFoundError, ConflictError, DexError
 from dex_tasks.policy import EffectClass, ToolPolicy, resolve_policy, seconds
@@ -62,7 +62,11 @@ class DexClient:
         """Release broker and database connections."""
         if self._app is not None:
             self._app.close()
-        self.store.dispose()
+        # Close the pooled connections: Store.dispose() only forgets them (that is for forked
+        # children), which leaks open PostgreSQL connections until garbage collection.
+        self.store.engine.dispose()
+        if self.store.read_engine is not self.store.engine:
+            self.store.read_engine.dispose()
 
     def __enter__(self) -> DexClient:
         return self
@@ -220,9 +224,40 @@ class DexClient:
             pause = min(pause * 2, 0.2)
 
     def get_agent_snapshot(self, session_id: str) -> AgentSnapshot:
-        """The session's tool calls (and, with approvals, its messages and interrupts)."""
-        calls = [ToolCallRecord.from_row(r) for r in self.store.calls_for_session(session_id)]
-        return AgentSnapshot(session_id=session_id, tool_calls=calls)
+        """The session as one consistent read: ``.tool_calls``, ``.messages`` (queued or
+        delivered), ``.pending_interrupts`` (approvals waiting, deadline not passed) and
+        ``.decided`` (who decided each past approval, when, and why)."""
+        return approvals.session_snapshot(self.store, session_id)
+
+    # -- approvals and messages -----------------------------------------------------------------
+
+    def resolve_interrupt(
+        self,
+        session_id: str,
+        interrupt_id: str,
+        approved: bool,
+        rejection_message: str | None = None,
+        approver: str | None = None,
+    ) -> bool:
+        """Approve or reject a pending call; True if this call decided, False otherwise.
+
+        The first decision wins; a later one, one after the deadline, or one for an unknown
+        interrupt or another session returns False and changes nothing (safe to retry).
+        Approving runs the call; rejecting ends it ``rejected`` with ``rejection_message`` in
+        its error, where the model reads it.
+        """
+        return approvals.resolve_interrupt(
+            self.store, self.app, session_id, interrupt_id, approved,
+            rejection_message=rejection_message, approver=approver,
+        )
+
+    def send_user_message(self, session_id: str, text: str) -> dict[str, Any]:
+        """Send a user message into the session; returns it (JSON-ready) with its status.
+
+        ``delivered`` at once if no turn of the session is open; otherwise ``queued`` until
+        every call of the open turn(s) has ended.
+        """
+        return approvals.send_user_message(self.store, session_id, text).model_dump(mode="json")
 
     def events(self, session_id: str, after: int = 0) -> list[CallEvent]:
         """The session's events after cursor ``after`` (an event's ``id``)."""

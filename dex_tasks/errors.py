@@ -11,7 +11,9 @@ catch one type. The tree::
     ├── CallNotFoundError       no call is stored under that key
     ├── IllegalTransitionError  code asked the store for a status change the state machine forbids
     ├── StoreUnavailableError   the SQL store could not be reached or refused the statement
-    └── InvalidTokenError       an approval token is forged, expired or for another session
+    ├── InvalidArgumentError    an argument of a public function is malformed (names the field)
+    ├── InvalidTokenError       an approval token is missing, forged, malformed or expired (401)
+    └── ForbiddenSessionError   a valid token for another session, or without permission (403)
 
 :class:`TransientToolError` is not a ``DexError``: tools raise it to ask for a retry.
 """
@@ -66,8 +68,17 @@ class StoreUnavailableError(DexError):
     """The SQL store could not be reached, or it refused a statement."""
 
 
+class InvalidArgumentError(DexError, ValueError):
+    """An argument of a public function has the wrong type or value; the message names it."""
+
+
 class InvalidTokenError(DexError):
-    """An approval token is malformed, forged, expired or bound to another session."""
+    """An approval token is missing, malformed, forged or expired: the caller is not known."""
+
+
+class ForbiddenSessionError(DexError):
+    """A valid token that does not allow this: it is bound to another session, or it lacks the
+    permission to operate the session. The caller is known but not allowed."""
 
 
 class TransientToolError(Exception):

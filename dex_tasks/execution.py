@@ -19,13 +19,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import redis
 from billiard.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
 from celery import Celery, Task
+from celery.worker.consumer import Consumer
 from celery.worker.request import Request
 
 from dex_tasks import claims, retry
@@ -91,13 +94,30 @@ def _unserialisable(value: Any) -> Any:
 
 
 def _did_not_run(store: Store, call: ToolCallRow, why: str) -> bool:
-    """End a queued call that no attempt reached the tool for."""
+    """End a queued call whose next attempt cannot start (expired, invalid, no tool here).
+
+    Only a call that no attempt ever reached gets the "did not run" error. A retrying call
+    queued again after a transient error or a lost worker did reach the tool, so it ends as
+    if its attempts ran out: a read ``failed``, a write ``outcome_unknown``. The ``attempts``
+    guard keeps a claim that lands between our read and this write from being mislabelled.
+    """
+    if call.attempts == 0:
+        error = f"{TOOL_DID_NOT_RUN}: {why}"
+        to, reason = CallStatus.FAILED, "did_not_run"
+    else:
+        decision = retry.after_worker_lost(
+            EffectClass(call.effect), call.attempts, call.attempts,
+            f"{why}, after {call.attempts} attempt(s) had reached the tool",
+        )
+        assert decision.status is not None
+        to, error, reason = decision.status, decision.error or why, "next_attempt_not_started"
     return store.transition(
         call.key,
-        CallStatus.FAILED,
+        to,
         allowed={CallStatus.QUEUED},
-        values={"error": f"{TOOL_DID_NOT_RUN}: {why}"},
-        detail={"reason": "did_not_run"},
+        where=[CALLS.c.attempts == call.attempts],
+        values={"error": error},
+        detail={"reason": reason, "why": why},
     )
 
 
@@ -272,6 +292,13 @@ def run_retrying(task: Task, key: str) -> None:
         )
         if decision.retry:
             _schedule_retry(rt, call, owner, attempt, decision.delay, message)
+        elif isinstance(err, SoftTimeLimitExceeded):
+            # Stopped part-way on its last attempt: a read has no effect to be unsure about,
+            # but an interrupted write may have taken effect, so it ends outcome_unknown.
+            lost = retry.after_worker_lost(EffectClass(call.effect), attempt,
+                                           call.max_attempts, message)
+            assert lost.status is not None
+            _finish(rt, key, owner, lost.status, error=lost.error, reason="attempts_exhausted")
         else:
             _finish(rt, key, owner, CallStatus.FAILED, error=decision.error,
                     reason="attempts_exhausted")
@@ -349,14 +376,28 @@ class DexRequest(Request):  # type: ignore[misc]
                    return_ok: bool = False) -> None:
         exc = getattr(exc_info, "exception", None)
         exc = getattr(exc, "exc", exc)
+        if isinstance(exc, TimeLimitExceeded):
+            self._kill_child()
         if isinstance(exc, (WorkerLostError, TimeLimitExceeded, SystemExit)):
             self._record_lost(exc)
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         if not soft:
+            self._kill_child()
             self._record_lost(TimeLimitExceeded(timeout))
         super().on_timeout(soft, timeout)
+
+    def _kill_child(self) -> None:
+        # Celery runs these hooks for a hard time limit *before* it terminates the child, so
+        # without this the tool would run on while its call is already recorded as ended and,
+        # on the retrying path, while its next attempt starts elsewhere. Kill it first.
+        if self.worker_pid:
+            try:
+                kill_child(self.worker_pid)
+            except Exception:
+                log.exception("could not kill a timed-out child",
+                              extra={"action": "kill_child_error", "pid": self.worker_pid})
 
     def _record_lost(self, exc: BaseException) -> None:
         try:
@@ -375,6 +416,81 @@ class DexRequest(Request):  # type: ignore[misc]
             handle_lost_attempt(runtime(self.task.app), key, owner, reason, republish=republish)
         except Exception:
             log.exception("could not record a lost attempt", extra={"action": "lost_hook_error"})
+
+
+class DexConsumer(Consumer):  # type: ignore[misc]
+    """Celery's consumer, made to survive Redis going away while messages are unacked.
+
+    Seen with Celery/kombu 5.7 when Redis restarts while the worker holds an unacked message
+    (a late-acked call running, a prefetched one, a retry waiting out its countdown):
+
+    * tearing down the lost connection makes kombu hand the unacked messages back to Redis
+      after the transport was detached, which raises ``AttributeError``;
+    * after the reconnect, the ack of a call that ran across the restart goes to the old,
+      closed channel and raises the same error from the event loop.
+
+    Celery treats both as unrecoverable and shuts the worker down, so every Redis restart
+    during work would stop every busy worker. Here both are logged and the worker goes on.
+    Nothing is lost by that: a message that could not be acked or handed back stays in Redis's
+    unacked set and returns after the visibility timeout, where the store turns the duplicate
+    away, and a call still ``queued`` in the store is sent again by the republisher.
+    """
+
+    def on_connection_error_after_connected(self, exc: BaseException) -> None:
+        try:
+            super().on_connection_error_after_connected(exc)
+        except Exception as err:  # noqa: BLE001 - any clean-up error: reconnect regardless
+            self.connection = None
+            log.warning("closing the lost broker connection failed (%r); reconnecting anyway",
+                        err, extra={"action": "broker_cleanup_failed"})
+
+    def call_soon_ack(self, p: Any, *args: Any, **kwargs: Any) -> Any:
+        def ack_or_log(*a: Any, **kw: Any) -> Any:
+            try:
+                return p(*a, **kw)
+            except Exception as err:  # noqa: BLE001 - a lost ack must not stop the worker
+                log.warning("message could not be acked or rejected (%r); it returns after the "
+                            "visibility timeout", err, extra={"action": "ack_failed"})
+                return None
+
+        return super().call_soon_ack(ack_or_log, *args, **kwargs)
+
+
+def kill_child(pid: int, wait: float = 2.0) -> bool:
+    """SIGKILL this process's child ``pid`` and wait until it has stopped running.
+
+    Only a direct child is killed (a PID that was reaped and reused is left alone). Returns
+    True when the process is gone or a zombie. Without ``/proc`` it does not wait.
+    """
+    stat = Path(f"/proc/{pid}/stat")
+    if stat.parent.parent.exists():
+        fields = _proc_stat(stat)
+        if fields is None or int(fields[1]) != os.getpid():
+            return True
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return True
+    log.info("timed-out child killed", extra={"action": "child_killed", "pid": pid})
+    if not stat.parent.parent.exists():
+        return True
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        fields = _proc_stat(stat)
+        if fields is None or fields[0] in ("Z", "X", "x"):
+            return True
+        time.sleep(0.002)
+    return False
+
+
+def _proc_stat(stat: Path) -> list[str] | None:
+    """(state, ppid) of a process from ``/proc/<pid>/stat``, or None when it is gone."""
+    try:
+        text = stat.read_text()
+    except OSError:
+        return None
+    # The command name is in parentheses and may contain spaces: split after the last ")".
+    return text.rsplit(")", 1)[1].split()[:2]
 
 
 def register_tasks(app: Celery) -> None:

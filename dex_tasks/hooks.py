@@ -49,7 +49,9 @@ class LeaseRenewer(threading.Thread):
         rt = runtime(self.app)
         by_host: dict[str, list[str]] = {}
         for request in list(worker_state.active_requests):
-            if request.name in _CALL_TASKS and request.args:
+            # ``type`` is the registered task name; ``name`` is the shadow name that publish()
+            # gives each message ("dex.call_tool[lookup_order]") and never matches.
+            if request.type in _CALL_TASKS and request.args:
                 by_host.setdefault(request.hostname, []).append(request.args[0])
         until = time.time() + rt.settings.lease_seconds
         return sum(rt.store.renew_leases(f"{host}:", keys, until)
@@ -79,8 +81,12 @@ def install(app: Celery) -> None:
             _renewer.stopped.set()
 
     @signals.task_revoked.connect(weak=False)
-    def _revoked(request: Any = None, expired: bool = False, **_: Any) -> None:
-        if not expired or request is None or request.name not in _CALL_TASKS:
+    def _revoked(sender: Any = None, request: Any = None, expired: bool = False,
+                 **_: Any) -> None:
+        # ``request`` is a task Context here, not a Request: it has ``task`` (the real task
+        # name) and ``args`` but no ``name``; the sender is the task itself.
+        name = getattr(sender, "name", None) or getattr(request, "task", None)
+        if not expired or request is None or name not in _CALL_TASKS:
             return
         try:
             rt = runtime(app)

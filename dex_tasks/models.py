@@ -90,6 +90,10 @@ class MessageRow(SQLModel, table=True):
     """A user message sent into a session; queued while a turn is open."""
 
     __tablename__ = "dex_messages"
+    __table_args__ = (
+        # Delivery looks only at queued messages (of one session, or all for the sweep).
+        Index("ix_dex_messages_status_session", "status", "session_id"),
+    )
 
     id: int | None = Field(default=None, primary_key=True)
     session_id: str = Field(index=True, max_length=200)
@@ -110,3 +114,21 @@ class CatalogRow(SQLModel, table=True):
     arguments_schema: str = Field(sa_column=Column(Text, nullable=False))
     description: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     updated_at: float
+
+
+class ReconciliationRow(SQLModel, table=True):
+    """The report sent into a session about one ``outcome_unknown`` call: at most one per call.
+
+    Inserted in the same transaction as the user message that carries the report, so when two
+    reconcilers race, the second insert fails on the key and its message is rolled back.
+    """
+
+    __tablename__ = "dex_reconciliations"
+
+    key: str = Field(primary_key=True, max_length=512)
+    session_id: str = Field(index=True, max_length=200)
+    message_id: int | None = None
+    # Who answered: "check" (a function passed by the caller) or "reconciler:<tool>".
+    checker: str = Field(max_length=255)
+    report: str = Field(sa_column=Column(Text, nullable=False))
+    reported_at: float

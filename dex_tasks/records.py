@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -92,10 +92,55 @@ class CallEvent(BaseModel):
         )
 
 
+class PendingInterrupt(BaseModel):
+    """A call waiting for a person's decision (its deadline, if any, not yet passed)."""
+
+    interrupt_id: str
+    session_id: str
+    key: str
+    tool: str
+    arguments: dict[str, Any]
+    effect: EffectClass
+    deadline: datetime | None = None
+    created_at: datetime
+
+
+class Decision(BaseModel):
+    """The audit record of one decided approval: who, when, what, why, and how the call ended.
+
+    ``decision`` is ``approved``, ``rejected`` (by a person) or ``expired`` (the deadline passed;
+    ``decided_by`` is then None). ``call_status`` is the call's status now.
+    """
+
+    interrupt_id: str
+    key: str
+    tool: str
+    arguments: dict[str, Any]
+    effect: EffectClass
+    decision: Literal["approved", "rejected", "expired"]
+    decided_by: str | None = None
+    decided_at: datetime
+    reason: str | None = None
+    deadline: datetime | None = None
+    call_status: CallStatus
+
+
+class SessionMessage(BaseModel):
+    """A user message sent into the session: ``queued`` while its turn is open."""
+
+    id: int
+    session_id: str
+    text: str
+    status: Literal["queued", "delivered"]
+    created_at: datetime
+    delivered_at: datetime | None = None
+
+
 class AgentSnapshot(BaseModel):
-    """A session as it stands: its tool calls, messages and pending approvals."""
+    """A session as it stands: its tool calls, messages, pending approvals and decided ones."""
 
     session_id: str
     tool_calls: list[ToolCallRecord]
-    messages: list[dict[str, Any]] = []
-    pending_interrupts: list[dict[str, Any]] = []
+    messages: list[SessionMessage] = []
+    pending_interrupts: list[PendingInterrupt] = []
+    decided: list[Decision] = []

@@ -8,12 +8,14 @@ caller won, and it writes the event row in the same transaction.
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
-from sqlalchemy import Engine, event, insert, select, update
+from sqlalchemy import Engine, bindparam, event, exists, func, insert, literal, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 from sqlalchemy.pool import NullPool
@@ -21,13 +23,14 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import SQLModel, create_engine
 
 from dex_tasks.errors import IllegalTransitionError, StoreUnavailableError
-from dex_tasks.models import CallEventRow, CatalogRow, InterruptRow, ToolCallRow
+from dex_tasks.models import CallEventRow, CatalogRow, InterruptRow, MessageRow, ToolCallRow
 from dex_tasks.states import ALLOWED_FROM, CallStatus
 
 CALLS = ToolCallRow.__table__  # type: ignore[attr-defined]
 EVENTS = CallEventRow.__table__  # type: ignore[attr-defined]
 INTERRUPTS = InterruptRow.__table__  # type: ignore[attr-defined]
 CATALOG = CatalogRow.__table__  # type: ignore[attr-defined]
+MESSAGES = MessageRow.__table__  # type: ignore[attr-defined]
 
 
 def event_name(to: CallStatus) -> str:
@@ -64,6 +67,119 @@ def _sqlite_engine(url: str, *, immediate: bool) -> Engine:
     return engine
 
 
+_DELIVERY_LOCK_SPACE = 0x64657801  # the first key of dex-tasks' message-delivery advisory locks
+_OPEN_STATUSES = [CallStatus.AWAITING_APPROVAL.value, CallStatus.QUEUED.value,
+                  CallStatus.RUNNING.value]
+
+
+def deliver_ready_messages(conn: Connection, now: float, session_id: str | None = None) -> int:
+    """Mark delivered the queued user messages whose turn is over; returns how many.
+
+    A message waits for every turn that had begun when it was sent (a turn with a call
+    requested at or before the message), including calls those turns add later; turns begun
+    after it do not hold it back. ``session_id=None`` looks at every session (the sweep).
+
+    On PostgreSQL, two transactions that each end one of a turn's last two calls (or one ends
+    the turn while another sends a message) would each not see the other's uncommitted change
+    and leave the message queued. A per-session transaction lock taken before the check
+    serialises them, and the check then runs with a fresh snapshot that sees the other's
+    commit. SQLite writers are serialised anyway. Rows the sweep is delivering are skipped
+    (``SKIP LOCKED``), so ending a call never waits on it.
+    """
+    if session_id is not None and conn.dialect.name == "postgresql":
+        conn.execute(_DELIVERY_LOCK, {"lock_session": session_id})
+    if session_id is None:
+        result = conn.execute(_DELIVER_ALL, {"deliver_now": now})
+    else:
+        result = conn.execute(_DELIVER_SESSION, {"deliver_now": now, "deliver_session": session_id})
+    return int(result.rowcount or 0)
+
+
+def _delivery_statement(*, one_session: bool) -> Any:
+    # Built once: constructing this statement costs milliseconds of Python, and a terminal
+    # transition runs it every time. The compiled form is cached; the values are bound.
+    m = MESSAGES.alias("m")
+    c = CALLS.alias("c")
+    t = CALLS.alias("t")
+    turn_begun_before = exists().where(
+        t.c.session_id == c.c.session_id, t.c.turn_id == c.c.turn_id,
+        t.c.created_at <= m.c.created_at,
+    ).correlate(c, m)
+    open_call = exists().where(
+        c.c.session_id == m.c.session_id, c.c.status.in_(_OPEN_STATUSES), turn_begun_before
+    )
+    ready = select(m.c.id).where(m.c.status == "queued", ~open_call)
+    if one_session:
+        ready = ready.where(m.c.session_id == bindparam("deliver_session"))
+    return (
+        update(MESSAGES)
+        .where(MESSAGES.c.id.in_(ready.with_for_update(skip_locked=True)),
+               MESSAGES.c.status == "queued")
+        .values(status="delivered", delivered_at=bindparam("deliver_now"))
+    )
+
+
+_DELIVER_SESSION = _delivery_statement(one_session=True)
+_DELIVER_ALL = _delivery_statement(one_session=False)
+_DELIVERY_LOCK = select(func.pg_advisory_xact_lock(
+    literal(_DELIVERY_LOCK_SPACE), func.hashtext(bindparam("lock_session"))))
+
+
+class _ForkGuard:
+    """Keeps ``os.fork()`` from happening while another thread has a SQLite transaction open.
+
+    SQLite keeps its file-lock bookkeeping per process, in memory. A child forked while a
+    thread of its parent holds a lock inherits the bookkeeping but not the OS lock behind it,
+    and from then on every write the child tries fails with "database is locked". A worker's
+    main process renews leases from a thread while billiard forks replacement children, so
+    without this a child forked at the wrong moment failed every call it took. Forks wait
+    (bounded) until no transaction is open; transactions wait while a fork is under way.
+    """
+
+    FORK_WAIT_SECONDS = 10.0
+
+    def __init__(self) -> None:
+        self._reset()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(before=self._before_fork,
+                                after_in_parent=self._after_in_parent,
+                                after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+        self._forking = False
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Mark a SQLite transaction as open in this process for the ``with`` block."""
+        with self._cond:
+            # Bounded: a thread already inside a transaction must not wait on a fork that
+            # waits on it.
+            self._cond.wait_for(lambda: not self._forking, timeout=self.FORK_WAIT_SECONDS)
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    def _before_fork(self) -> None:
+        self._cond.acquire()
+        self._forking = True
+        # Bounded, so a fork from inside a transaction (which would wait on itself) goes on.
+        self._cond.wait_for(lambda: self._active == 0, timeout=self.FORK_WAIT_SECONDS)
+
+    def _after_in_parent(self) -> None:
+        self._forking = False
+        self._cond.notify_all()
+        self._cond.release()
+
+
+_FORK_GUARD = _ForkGuard()
+
+
 class Store:
     """Access to the SQL store. One per process; re-create (or ``dispose``) after a fork."""
 
@@ -81,8 +197,17 @@ class Store:
 
     def create_all(self) -> None:
         """Create the tables and indexes that do not exist yet."""
-        with self._errors():
+        with self._fork_safe(), self._errors():
             SQLModel.metadata.create_all(self.engine)
+
+    def _fork_safe(self) -> AbstractContextManager[None]:
+        return _FORK_GUARD.transaction() if self.is_sqlite else nullcontext()
+
+    def close(self) -> None:
+        """Close the pooled connections (this process is done with the store)."""
+        self.engine.dispose()
+        if self.read_engine is not self.engine:
+            self.read_engine.dispose()
 
     def dispose(self) -> None:
         """Drop pooled connections (call in a forked child before first use)."""
@@ -112,13 +237,13 @@ class Store:
     @contextmanager
     def write(self) -> Iterator[Connection]:
         """A write transaction; commits on success, rolls back on error."""
-        with self._errors(), self.engine.begin() as conn:
+        with self._fork_safe(), self._errors(), self.engine.begin() as conn:
             yield conn
 
     @contextmanager
     def read(self) -> Iterator[Connection]:
         """A read-only transaction."""
-        with self._errors(), self.read_engine.connect() as conn:
+        with self._fork_safe(), self._errors(), self.read_engine.connect() as conn:
             yield conn
 
     # -- the one function that changes a call's status ------------------------------------------
@@ -189,6 +314,10 @@ class Store:
                 created_at=now,
             )
         )
+        if to.terminal:
+            # A turn may have just ended: deliver its queued user messages in this same
+            # transaction, so no code path that ends a call can forget them.
+            deliver_ready_messages(conn, now, row.session_id)
         return True
 
     # -- calls ----------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from dex_tasks import claims
+from dex_tasks import approvals, claims
 from dex_tasks.celery_app import publish
 from dex_tasks.policy import EffectClass
 
@@ -79,9 +79,34 @@ def republish_stranded(rt: Runtime, now: float | None = None) -> int:
     return acted
 
 
+def expire_approvals(rt: Runtime, now: float | None = None) -> int:
+    """Reject calls whose approval deadline passed undecided; returns how many."""
+    return approvals.expire_overdue(rt.store, now)
+
+
+def deliver_messages(rt: Runtime, now: float | None = None) -> int:
+    """Deliver queued user messages whose turn is over (a safety net: ending a turn's last
+    call delivers them in the same transaction); returns how many."""
+    return approvals.deliver_messages(rt.store, now)
+
+
+def reconcile_unknown(rt: Runtime, now: float | None = None) -> int:
+    """Run the registered checkers (``@tool.reconciler``) of the tools imported here for
+    ``outcome_unknown`` calls not reported yet; returns how many reports it sent.
+
+    Runs in a worker (beat sends it as a task), where the tool modules are imported.
+    """
+    from dex_tasks.reconcile import reconcile_with_reconcilers
+
+    return len(reconcile_with_reconcilers(rt.store, None, now).reported)
+
+
 JOBS: dict[str, Callable[..., int]] = {
+    "expire_approvals": expire_approvals,
+    "deliver_messages": deliver_messages,
     "reap_expired_leases": reap_expired_leases,
     "republish_stranded": republish_stranded,
+    "reconcile_unknown": reconcile_unknown,
 }
 
 
@@ -108,6 +133,13 @@ def run_job(rt: Runtime, job: str, now: float | None = None) -> int:
         except Exception:  # noqa: BLE001
             pass
     log.info("sweep done", extra={"action": "sweep", "job": job, "count": count})
+    try:
+        from dex_tasks.metrics import record_sweep
+
+        record_sweep(rt.redis, job, count)
+    except Exception:  # noqa: BLE001 - statistics must never fail a sweep
+        log.warning("sweep stats not recorded", extra={"action": "sweep_stats_error",
+                                                       "job": job})
     return count
 
 

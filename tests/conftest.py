@@ -13,6 +13,7 @@ import redis
 from sqlalchemy import create_engine, text
 
 from dex_tasks import DexClient, DexSettings
+from dex_tasks.execution import Runtime
 from tests.helpers import RedisServer, WorkerProcess, free_port, start_process
 
 POSTGRES_URL = os.environ.get("DEX_TEST_POSTGRES_URL", "")
@@ -141,3 +142,12 @@ def start_worker(env: dict[str, str], tmp_path: Path) -> Iterator[StartWorker]:
     yield start
     for worker in started:
         worker.stop()
+
+
+@pytest.fixture
+def rt(client: DexClient) -> Iterator[Runtime]:
+    """A sweep runtime in the test process, sharing the client's store and Celery app."""
+    runtime = Runtime(settings=client.settings, store=client.store,
+                      redis=redis.Redis.from_url(client.settings.redis_url), app=client.app)
+    yield runtime
+    runtime.redis.close()

@@ -1,0 +1,152 @@
+"""``python -m bench``: the benchmarks of issue 6 (see ``bench/__init__.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from bench.infra import POSTGRES_ENV, BenchError, parse_stores, postgres_admin_url
+
+app = typer.Typer(help=__doc__, no_args_is_help=True, pretty_exceptions_enable=False)
+# Wide enough for the tables when the output is a file or a pipe (rich assumes 80 columns).
+console = Console(width=max(Console().width, 140))
+
+STORE_HELP = "sqlite, postgres or both (postgres needs --postgres-url or $" + POSTGRES_ENV + ")."
+PG_HELP = ("Admin URL fresh PostgreSQL databases are created from (default $" + POSTGRES_ENV
+           + ").")
+OUT_HELP = "Folder of the JSON results (default bench/results/)."
+
+
+def _stores(value: str, postgres_url: str | None) -> list[str]:
+    stores = parse_stores(value)
+    if "postgres" in stores and not postgres_admin_url(postgres_url):
+        if value == "both":
+            console.print(f"[yellow]no ${POSTGRES_ENV}: PostgreSQL skipped[/yellow]")
+            return [s for s in stores if s != "postgres"]
+        raise typer.BadParameter(f"--store postgres needs --postgres-url or ${POSTGRES_ENV}")
+    return stores
+
+
+def _run(fn: object, **kwargs: object) -> None:
+    try:
+        fn(**kwargs)  # type: ignore[operator]
+    except BenchError as err:
+        console.print(f"[red]benchmark failed:[/red] {err}")
+        raise typer.Exit(1) from err
+
+
+@app.command()
+def throughput(
+    calls: int = typer.Option(2000, "--calls", min=1, help="Calls per variant per round."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds (A B C A B C ...)."),
+    store: str = typer.Option("both", "--store", help=STORE_HELP),
+    postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
+    warmup: int = typer.Option(50, "--warmup", min=1, help="Calls per variant before round 1."),
+    loglevel: str = typer.Option("WARNING", "--loglevel",
+                                 help="Log level of both workers (the same for fairness)."),
+    out: Path | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """Raw Celery vs dex-tasks read vs single-attempt: calls/s, latencies, ratios."""
+    from bench.throughput import run_throughput
+
+    _run(run_throughput, calls=calls, rounds=rounds, stores=_stores(store, postgres_url),
+         postgres_url=postgres_admin_url(postgres_url), warmup=warmup, loglevel=loglevel,
+         out_dir=out, console=console)
+
+
+@app.command()
+def sweeps(
+    scales: str = typer.Option("10000,100000,1000000", "--scales",
+                               help="Pending calls per run, comma-separated."),
+    max_pending: int | None = typer.Option(None, "--max-pending", min=1,
+                                           help="Skip scales above this (quick runs)."),
+    overdue: int = typer.Option(1000, "--overdue", min=1, help="Overdue calls per sweep."),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="Sweeps timed per scale."),
+    jobs: str = typer.Option("expire_approvals,reap_expired_leases,republish_stranded",
+                             "--jobs", help="Sweep jobs to time (names of sweeps.JOBS)."),
+    store: str = typer.Option("both", "--store", help=STORE_HELP),
+    postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
+    out: Path | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """Sweep time with N overdue calls among 10k / 100k / 1M pending."""
+    from bench.sweep_scale import parse_jobs, parse_scales, run_sweeps
+
+    _run(run_sweeps, scales=parse_scales(scales, max_pending), overdue=overdue,
+         repeats=repeats, jobs=parse_jobs(jobs), stores=_stores(store, postgres_url),
+         postgres_url=postgres_admin_url(postgres_url), out_dir=out, console=console)
+
+
+@app.command()
+def memory(
+    calls: int = typer.Option(100_000, "--calls", min=1, help="Calls measured."),
+    warmup: int = typer.Option(2000, "--warmup", min=1, help="Calls before the first sample."),
+    batch: int = typer.Option(500, "--batch", min=1, help="Calls in flight at a time."),
+    store: str = typer.Option("sqlite", "--store", help="sqlite or postgres."),
+    postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
+    out: Path | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """Worker RSS (main + children) before and after N calls, as MB per 100k calls."""
+    from bench.memory import run_memory
+
+    stores = _stores(store, postgres_url)
+    if len(stores) != 1:
+        raise typer.BadParameter("--store must name one store for the memory benchmark")
+    _run(run_memory, calls=calls, warmup=warmup, batch=batch, store=stores[0],
+         postgres_url=postgres_admin_url(postgres_url), out_dir=out, console=console)
+
+
+@app.command()
+def roundtrips(
+    calls: int = typer.Option(200, "--calls", min=1, help="Calls per path and store."),
+    store: str = typer.Option("both", "--store", help=STORE_HELP),
+    postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
+    out: Path | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """Store statements, transactions, connections and Redis commands per call."""
+    from bench.roundtrips import run_roundtrips
+
+    _run(run_roundtrips, calls=calls, stores=_stores(store, postgres_url),
+         postgres_url=postgres_admin_url(postgres_url), out_dir=out, console=console)
+
+
+@app.command(name="all")
+def all_(
+    quick: bool = typer.Option(False, "--quick",
+                               help="Small sizes: 500 calls x 2 rounds, up to 100k pending, "
+                                    "10k calls for memory."),
+    store: str = typer.Option("both", "--store", help=STORE_HELP),
+    postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
+    out: Path | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """Every benchmark in turn (what ``make bench`` runs), then every target in one table."""
+    from bench.memory import run_memory
+    from bench.sweep_scale import DEFAULT_JOBS, parse_scales, run_sweeps
+    from bench.targets import print_targets
+    from bench.throughput import run_throughput
+
+    stores = _stores(store, postgres_url)
+    pg = postgres_admin_url(postgres_url)
+    try:
+        t = run_throughput(calls=500 if quick else 2000, rounds=2 if quick else 3,
+                           stores=stores, postgres_url=pg, out_dir=out, console=console)
+        s = run_sweeps(scales=parse_scales("10000,100000,1000000",
+                                           100_000 if quick else None),
+                       overdue=1000, repeats=3, jobs=list(DEFAULT_JOBS), stores=stores,
+                       postgres_url=pg, out_dir=out, console=console)
+        m = run_memory(calls=10_000 if quick else 100_000, warmup=2000, batch=500,
+                       store=stores[0], postgres_url=pg, out_dir=out, console=console)
+    except BenchError as err:
+        console.print(f"[red]benchmark failed:[/red] {err}")
+        raise typer.Exit(1) from err
+    print_targets(console, [*t["targets"], *s["targets"], *m["targets"]],
+                  title="All targets of issue 6 (reported, not asserted)")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

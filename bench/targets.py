@@ -1,0 +1,65 @@
+"""The targets of issue 6, set beside measured figures: pass or miss, reported, never asserted."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target: ``measured <op> bound`` passes."""
+
+    id: str
+    text: str
+    op: str
+    bound: float
+    unit: str
+
+    def passes(self, value: float) -> bool:
+        compare: Callable[[float, float], bool] = {
+            ">=": operator.ge, "<=": operator.le, "<": operator.lt, ">": operator.gt,
+        }[self.op]
+        return compare(value, self.bound)
+
+
+TARGETS: dict[str, Target] = {t.id: t for t in (
+    Target("read_vs_raw", "dex read throughput vs raw Celery", ">=", 0.8, "x"),
+    Target("single_vs_read", "single-attempt throughput vs dex read", ">=", 0.7, "x"),
+    Target("call_tool_vs_apply_async_p50", "call_tool p50 vs apply_async p50", "<=", 2.0, "x"),
+    Target("sweep_growth", "deadline sweep time, largest vs smallest scale", "<", 2.0, "x"),
+    Target("rss_growth", "worker RSS growth per 100k calls", "<", 10.0, "MB"),
+)}
+
+
+def check(target_id: str, value: float, label: str, note: str = "") -> dict[str, Any]:
+    """One row of the targets table (and of the JSON results)."""
+    target = TARGETS[target_id]
+    ok = value == value and target.passes(value)  # NaN (nothing measured) is a miss
+    return {
+        "target": target.id,
+        "text": target.text,
+        "goal": f"{target.op} {target.bound:g}{target.unit}",
+        "label": label,
+        "measured": round(value, 3) if value == value else None,
+        "unit": target.unit,
+        "pass": ok,
+        "note": note,
+    }
+
+
+def print_targets(console: Console, rows: list[dict[str, Any]], title: str = "") -> None:
+    """The targets table: goal, what was measured (and on which store / scale), pass or miss."""
+    table = Table(title=title or "Targets of issue 6 (reported, not asserted)")
+    for column in ("target", "where", "goal", "measured", "result", "note"):
+        table.add_column(column, justify="right" if column == "measured" else "left")
+    for row in rows:
+        measured = "-" if row["measured"] is None else f"{row['measured']:g}{row['unit']}"
+        result = "[green]pass[/green]" if row["pass"] else "[red]miss[/red]"
+        table.add_row(row["text"], row["label"], row["goal"], measured, result, row["note"])
+    console.print(table)

@@ -1,0 +1,192 @@
+"""The verdict of a chaos run: pure functions of the store's calls, the ledger and the kills.
+
+No I/O here, so the tests can feed fabricated runs (a charge executed twice, an
+``outcome_unknown`` no kill explains) and see each one reported.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dex_tasks.approvals import APPROVAL_DEADLINE_PASSED
+from dex_tasks.models import ToolCallRow
+from dex_tasks.policy import EffectClass
+from dex_tasks.states import OUTCOME_UNKNOWN_TOOL_RESULT, TERMINAL, TOOL_DID_NOT_RUN, CallStatus
+
+APPROVE = "approve"
+EXPIRE = "expire"
+# A kill at most this long before the ledger line still counts: both clocks are this machine's,
+# but the ledger time is taken just before the line is written.
+CLOCK_SLACK = 0.001
+
+
+@dataclass(frozen=True)
+class Kill:
+    """One SIGKILL the harness sent: when, what kind, and every PID it hit."""
+
+    at: float
+    kind: str  # "child" or "worker"
+    pids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Execution:
+    """One ledger line that marks a tool starting (tools with phases log more lines)."""
+
+    key: str
+    attempt: int
+    pid: int
+    at: float
+
+
+@dataclass
+class Verdict:
+    """What the run showed: violations (empty when every guarantee held) and figures."""
+
+    violations: list[str] = field(default_factory=list)
+    by_tool: dict[str, Counter[str]] = field(default_factory=dict)
+    figures: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+def executions(ledger: Iterable[Mapping[str, Any]]) -> dict[str, list[Execution]]:
+    """The ledger's executions grouped by idempotency key."""
+    result: dict[str, list[Execution]] = defaultdict(list)
+    for line in ledger:
+        if line.get("phase") not in (None, "start"):
+            continue
+        result[line["key"]].append(
+            Execution(line["key"], int(line["attempt"]), int(line["pid"]), float(line["at"]))
+        )
+    return result
+
+
+def _single_attempt(call: ToolCallRow) -> bool:
+    return not EffectClass(call.effect).retrying
+
+
+class _Checker:
+    def __init__(self, calls: Sequence[ToolCallRow], runs: Mapping[str, list[Execution]],
+                 kills: Sequence[Kill], intents: Mapping[str, str]) -> None:
+        self.calls = calls
+        self.runs = runs
+        self.kills = kills
+        self.intents = intents
+        self.verdict = Verdict()
+        self.figures: Counter[str] = Counter()
+
+    def problem(self, kind: str, call: ToolCallRow, text: str) -> None:
+        self.figures[f"violations.{kind}"] += 1
+        self.verdict.violations.append(f"{kind}: {call.key} ({call.tool}, {call.status}): {text}")
+
+    def run(self) -> Verdict:
+        for call in self.calls:
+            self.verdict.by_tool.setdefault(call.tool, Counter())[call.status] += 1
+            self.figures[f"status.{call.status}"] += 1
+            self.check_executions(call)
+            self.check_status(call)
+        self.figures["calls"] = len(self.calls)
+        self.figures["executions"] = sum(len(v) for v in self.runs.values())
+        self.figures["kills.child"] = sum(k.kind == "child" for k in self.kills)
+        self.figures["kills.worker"] = sum(k.kind == "worker" for k in self.kills)
+        self.figures["kills.processes"] = sum(len(k.pids) for k in self.kills)
+        self.verdict.figures = dict(self.figures)
+        return self.verdict
+
+    def check_executions(self, call: ToolCallRow) -> None:
+        runs = self.runs.get(call.key, [])
+        if len(runs) > 1:
+            self.figures["executions.repeated"] += len(runs) - 1
+        if _single_attempt(call):
+            if len(runs) > 1:
+                self.figures["duplicates.single_attempt"] += 1
+                self.problem("executed_twice", call,
+                             f"a single-attempt call ran {len(runs)} times "
+                             f"(pids {[r.pid for r in runs]})")
+            return
+        attempts = Counter(r.attempt for r in runs)
+        repeated = sorted(a for a, n in attempts.items() if n > 1)
+        if repeated:
+            self.problem("attempt_run_twice", call, f"attempt(s) {repeated} ran more than once")
+        if len(runs) > call.attempts:
+            self.problem("unclaimed_execution", call,
+                         f"ran {len(runs)} times but claimed only {call.attempts} attempts")
+
+    def check_status(self, call: ToolCallRow) -> None:
+        status = CallStatus(call.status)
+        error = call.error or ""
+        intent = self.intents.get(call.key)
+        if status not in TERMINAL:
+            self.problem("not_terminal", call, "still not finished when the run ended")
+            return
+        if intent == EXPIRE and status is not CallStatus.REJECTED:
+            self.problem("deadline_missed", call, "left to expire, but was not rejected")
+        if intent == APPROVE and status is CallStatus.REJECTED:
+            self.problem("approval_lost", call, f"approved, yet rejected: {error[:120]}")
+        if status is CallStatus.SUCCEEDED:
+            if not self.runs.get(call.key):
+                self.problem("success_without_execution", call, "no ledger line")
+        elif status is CallStatus.FAILED:
+            self.check_failed(call, error)
+        elif status is CallStatus.OUTCOME_UNKNOWN:
+            self.check_unknown(call, error)
+        elif status is CallStatus.REJECTED:
+            if intent != EXPIRE:
+                self.problem("unexpected_rejection", call, error[:120])
+            elif not error.startswith(APPROVAL_DEADLINE_PASSED):
+                self.problem("rejection_reason", call, f"deadline not named: {error[:120]}")
+            if self.runs.get(call.key):
+                self.problem("rejected_but_ran", call, "a rejected call has a ledger line")
+
+    def check_failed(self, call: ToolCallRow, error: str) -> None:
+        if error.startswith(TOOL_DID_NOT_RUN):
+            self.figures["did_not_run"] += 1
+            if self.runs.get(call.key):
+                self.problem("did_not_run_but_ran", call, "failed as 'did not run' yet the "
+                             "ledger shows the tool started")
+            return
+        if "did not run" in error:
+            self.problem("did_not_run_prefix", call, f"no exact prefix: {error[:120]}")
+            return
+        if not _single_attempt(call) and call.attempts >= call.max_attempts:
+            self.figures["attempts_ran_out"] += 1
+            return
+        self.problem("unexpected_failure", call, error[:160])
+
+    def check_unknown(self, call: ToolCallRow, error: str) -> None:
+        self.figures["outcome_unknown"] += 1
+        if not error.startswith(OUTCOME_UNKNOWN_TOOL_RESULT):
+            self.problem("unknown_prefix", call, f"no exact prefix: {error[:120]}")
+        exhausted_write = (EffectClass(call.effect) is EffectClass.IDEMPOTENT_WRITE
+                           and call.attempts >= call.max_attempts)
+        if not (_single_attempt(call) or exhausted_write):
+            self.problem("unknown_not_allowed", call,
+                         "only single-attempt calls and idempotent writes out of attempts may "
+                         "end outcome_unknown")
+            return
+        last = [r for r in self.runs.get(call.key, []) if r.attempt == call.attempts]
+        if not last:
+            self.problem("unknown_without_execution", call,
+                         f"no ledger line for attempt {call.attempts}: no kill could have hit it")
+            return
+        run = last[-1]
+        if not any(run.pid in k.pids and k.at >= run.at - CLOCK_SLACK for k in self.kills):
+            self.problem("unknown_without_kill", call,
+                         f"pid {run.pid} started it at {run.at:.3f} and no kill hit that pid "
+                         "afterwards (a live call was given up on)")
+
+
+def check_run(
+    calls: Sequence[ToolCallRow],
+    ledger: Iterable[Mapping[str, Any]],
+    kills: Sequence[Kill],
+    intents: Mapping[str, str],
+) -> Verdict:
+    """Check every guarantee the harness can see; see the module docstring."""
+    return _Checker(calls, executions(ledger), kills, intents).run()

@@ -1,0 +1,175 @@
+"""The processes the harness runs and kills: its own redis-server, workers and beat.
+
+Every process is started in its own session and stopped by its PID (never by name), so a
+harness run touches nothing it did not start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``predicate`` until it is true; ``TimeoutError`` naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct child PIDs of ``pid`` (Linux ``/proc``)."""
+    result: list[int] = []
+    task_dir = Path(f"/proc/{pid}/task")
+    if not task_dir.exists():
+        return result
+    for task in task_dir.iterdir():
+        try:
+            result += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return result
+
+
+def signal_quietly(pid: int, sig: int) -> bool:
+    """Send ``sig`` to ``pid``; False if the process is already gone."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class RedisProcess:
+    """A private ``redis-server`` with AOF on (``appendfsync everysec``), as in production.
+
+    ``crash_and_restart`` SIGKILLs it and starts it again on the same port and directory, so
+    the server reloads its append-only file the way a crashed production Redis does (and may
+    lose up to a second of writes, which the design must survive).
+    """
+
+    def __init__(self, directory: Path, port: int | None = None) -> None:
+        self.dir = directory
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = directory / "redis.log"
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> RedisProcess:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not on PATH; install Redis to run the harness")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+                 "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+                 "--maxmemory-policy", "noeviction"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        try:
+            wait_for(lambda: _pings(client), 20, f"redis-server on port {self.port}")
+        finally:
+            client.close()
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: no final AOF rewrite, no goodbye to clients)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def dex_command() -> list[str]:
+    """How to run this environment's ``dex-tasks`` console script."""
+    script = Path(sys.executable).parent / "dex-tasks"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "dex_tasks.cli"]
+
+
+class DexProcess:
+    """A ``dex-tasks worker`` or ``dex-tasks beat`` subprocess, its output in a log file."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.args = args
+        self.log_path = log_path
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*dex_command(), *args], cwd=ROOT, env=env, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def ready(self) -> bool:
+        """True once a worker logged that it is ready (beat: once it started)."""
+        if not self.alive:
+            raise RuntimeError(f"{' '.join(self.args)} exited early:\n{self.log()[-3000:]}")
+        marker = " ready." if self.args[0] == "worker" else "beat: Starting"
+        return marker in self.log()
+
+    def children(self) -> list[int]:
+        return children_of(self.pid) if self.alive else []
+
+    def kill_all(self, children: list[int] | None = None) -> list[int]:
+        """SIGKILL the main process and its children (a machine that vanishes); returns PIDs."""
+        kids = self.children() if children is None else children
+        signal_quietly(self.pid, signal.SIGKILL)
+        for kid in kids:
+            signal_quietly(kid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        return [self.pid, *kids]
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM (a warm shutdown), then SIGKILL whatever is left."""
+        kids = self.children()
+        if self.alive:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill_all(kids)
+        for kid in kids:
+            signal_quietly(kid, signal.SIGKILL)

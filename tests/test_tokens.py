@@ -1,0 +1,136 @@
+"""Session tokens: signed, bound to one session and the operate permission, expiring."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+
+import pytest
+from itsdangerous import URLSafeSerializer
+from typer.testing import CliRunner
+
+from dex_tasks import (
+    ConfigurationError,
+    DexError,
+    ForbiddenSessionError,
+    InvalidArgumentError,
+    InvalidTokenError,
+    issue_token,
+    tokens,
+    verify_token,
+)
+from dex_tasks.cli import app as cli_app
+
+SECRET = "a-long-test-secret-0123456789"
+
+
+def test_a_token_verifies_for_its_session_with_its_claims() -> None:
+    now = 1_000_000.0
+    token = issue_token(SECRET, "s1", ttl_seconds=60, approver="alice", now=now)
+    claims = verify_token(SECRET, token, "s1", now=now + 59)
+    assert claims.session_id == "s1"
+    assert claims.approver == "alice"
+    assert claims.permissions == (tokens.OPERATE,)
+    assert claims.expires_at == now + 60
+    assert verify_token(SECRET, issue_token(SECRET, "s1"), "s1").approver is None
+
+
+def test_expired_token_is_invalid() -> None:
+    token = issue_token(SECRET, "s1", ttl_seconds=60, now=1000.0)
+    verify_token(SECRET, token, "s1", now=1059.9)
+    with pytest.raises(InvalidTokenError, match="expired"):
+        verify_token(SECRET, token, "s1", now=1060.0)
+
+
+def test_forged_token_is_invalid() -> None:
+    forged = issue_token("someone-elses-secret-key", "s1")
+    with pytest.raises(InvalidTokenError):
+        verify_token(SECRET, forged, "s1")
+    # The same secret used for another purpose (another salt) does not make a token either.
+    other_use = URLSafeSerializer(SECRET).dumps({"sid": "s1", "perm": ["operate"],
+                                                 "exp": time.time() + 60})
+    with pytest.raises(InvalidTokenError):
+        verify_token(SECRET, str(other_use), "s1")
+
+
+def test_tampered_token_is_invalid() -> None:
+    token = issue_token(SECRET, "s1", ttl_seconds=60, approver="alice")
+    payload, signature = token.rsplit(".", 1)
+    # Given the payload rewritten to another session and a later expiry, old signature kept
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    claims.update(sid="s2", exp=claims["exp"] + 10**6)
+    rewritten = base64.urlsafe_b64encode(json.dumps(claims).encode()).decode().rstrip("=")
+    for bad in (f"{rewritten}.{signature}",
+                f"{payload}.{signature[:-1]}{'A' if signature[-1] != 'A' else 'B'}",
+                token[:-3], f"{payload}.", "not-a-token", "a.b.c", " "):
+        with pytest.raises(InvalidTokenError):
+            verify_token(SECRET, bad, "s2" if bad.startswith(rewritten) else "s1")
+
+
+def test_missing_token_is_invalid() -> None:
+    for missing in ("", None):
+        with pytest.raises(InvalidTokenError):
+            verify_token(SECRET, missing, "s1")  # type: ignore[arg-type]
+
+
+def test_token_of_another_session_is_forbidden_not_invalid() -> None:
+    token = issue_token(SECRET, "s1")
+    with pytest.raises(ForbiddenSessionError, match="another session"):
+        verify_token(SECRET, token, "s2")
+    with pytest.raises(ForbiddenSessionError):
+        verify_token(SECRET, token, "s1 ")
+    # A forbidden token is still a DexError, and not mistaken for an invalid one.
+    assert issubclass(ForbiddenSessionError, DexError)
+    assert not issubclass(ForbiddenSessionError, InvalidTokenError)
+    assert tokens.ForbiddenSessionError is ForbiddenSessionError
+
+
+def test_token_without_the_operate_permission_is_forbidden() -> None:
+    token = issue_token(SECRET, "s1", permissions=("read",))
+    with pytest.raises(ForbiddenSessionError, match="operate"):
+        verify_token(SECRET, token, "s1")
+
+
+def test_a_signed_payload_of_the_wrong_shape_is_invalid() -> None:
+    serializer = URLSafeSerializer(SECRET, salt=tokens._SALT)
+    for payload in ([1, 2], {"sid": 5, "perm": [], "exp": 1e12},
+                    {"sid": "s1", "perm": "operate", "exp": 1e12},
+                    {"sid": "s1", "perm": ["operate"], "exp": "never"}):
+        with pytest.raises(InvalidTokenError, match="shape"):
+            verify_token(SECRET, str(serializer.dumps(payload)), "s1")
+
+
+def test_bad_issue_arguments_name_the_field() -> None:
+    for kwargs, field in (({"ttl_seconds": 0}, "ttl_seconds"), ({"ttl_seconds": -5}, "ttl"),
+                          ({"ttl_seconds": float("nan")}, "ttl"), ({"ttl_seconds": "9"}, "ttl"),
+                          ({"approver": ""}, "approver"), ({"approver": "x" * 201}, "approver")):
+        with pytest.raises(InvalidArgumentError, match=field):
+            issue_token(SECRET, "s1", **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="session_id"):
+        issue_token(SECRET, "")
+    with pytest.raises(ConfigurationError, match="DEX_SECRET_KEY"):
+        issue_token("", "s1")
+
+
+def test_cli_prints_a_token_signed_with_the_configured_secret(env: dict[str, str]) -> None:
+    result = CliRunner().invoke(cli_app, ["token", "s1", "--ttl", "120", "--approver", "alice"],
+                                env=env)
+    assert result.exit_code == 0, result.output
+    token = result.stdout.strip()
+    claims = verify_token(env["DEX_SECRET_KEY"], token, "s1")
+    assert claims.approver == "alice"
+    assert 100 < claims.expires_at - time.time() <= 120
+    assert env["DEX_SECRET_KEY"] not in result.output
+    assert "warning" not in result.output
+
+    bad = CliRunner().invoke(cli_app, ["token", "s1", "--ttl", "0"], env=env)
+    assert bad.exit_code != 0 and "ttl_seconds" in bad.output
+
+
+def test_cli_warns_when_the_secret_is_the_insecure_default(env: dict[str, str]) -> None:
+    unset = {**env, "DEX_SECRET_KEY": None}
+    result = CliRunner().invoke(cli_app, ["token", "s1"], env=unset)  # type: ignore[dict-item]
+    assert result.exit_code == 0, result.output
+    assert "DEX_SECRET_KEY is not set" in result.stderr
+    assert result.stdout.count(".") == 1  # stdout carries the token alone
