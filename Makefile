@@ -15,8 +15,8 @@ test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint:
-	$(PY) -m ruff check dex_tasks workers tests beat_schedule.py
-	$(PY) -m mypy dex_tasks workers beat_schedule.py
+	$(PY) -m ruff check dex_tasks workers tests bench chaos beat_schedule.py
+	$(PY) -m mypy dex_tasks workers bench chaos beat_schedule.py
 
 worker:
 	.venv/bin/dex-tasks worker --tools workers.example_tools -c 2
@@ -30,3 +30,15 @@ api:
 ## make demo: the whole system on embedded Redis + SQLite, every path, a summary table
 demo:
 	.venv/bin/dex-tasks demo
+
+## make bench: raw Celery vs dex-tasks throughput, sweep scale, worker memory, targets of
+## issue 6 (reported, not asserted). BENCH_ARGS="--quick" for small sizes; JSON in bench/results/
+BENCH_ARGS ?=
+bench:
+	$(PY) -m bench all $(BENCH_ARGS)
+
+## make chaos: the long chaos run (thousands of mixed calls, SIGKILLed workers, a Redis crash);
+## prints its figures and fails on any broken guarantee. CHAOS_ARGS="--database-url ..." etc.
+CHAOS_ARGS ?=
+chaos:
+	$(PY) -m chaos --calls 3000 --workers 3 --duration 120 $(CHAOS_ARGS)

@@ -29,6 +29,10 @@ def _stores(value: str, postgres_url: str | None) -> list[str]:
     return stores
 
 
+def _out(value: str | None) -> Path | None:
+    return Path(value) if value else None
+
+
 def _run(fn: object, **kwargs: object) -> None:
     try:
         fn(**kwargs)  # type: ignore[operator]
@@ -44,16 +48,21 @@ def throughput(
     store: str = typer.Option("both", "--store", help=STORE_HELP),
     postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
     warmup: int = typer.Option(50, "--warmup", min=1, help="Calls per variant before round 1."),
+    latency_calls: int = typer.Option(100, "--latency-calls", min=1,
+                                      help="Calls made one at a time per variant per round, "
+                                           "for the enqueue-to-terminal latency without a "
+                                           "queue."),
     loglevel: str = typer.Option("WARNING", "--loglevel",
                                  help="Log level of both workers (the same for fairness)."),
-    out: Path | None = typer.Option(None, "--out", help=OUT_HELP),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
 ) -> None:
     """Raw Celery vs dex-tasks read vs single-attempt: calls/s, latencies, ratios."""
     from bench.throughput import run_throughput
 
     _run(run_throughput, calls=calls, rounds=rounds, stores=_stores(store, postgres_url),
-         postgres_url=postgres_admin_url(postgres_url), warmup=warmup, loglevel=loglevel,
-         out_dir=out, console=console)
+         postgres_url=postgres_admin_url(postgres_url), warmup=warmup,
+         latency_calls=latency_calls, loglevel=loglevel,
+         out_dir=_out(out), console=console)
 
 
 @app.command()
@@ -68,14 +77,14 @@ def sweeps(
                              "--jobs", help="Sweep jobs to time (names of sweeps.JOBS)."),
     store: str = typer.Option("both", "--store", help=STORE_HELP),
     postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
-    out: Path | None = typer.Option(None, "--out", help=OUT_HELP),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
 ) -> None:
     """Sweep time with N overdue calls among 10k / 100k / 1M pending."""
     from bench.sweep_scale import parse_jobs, parse_scales, run_sweeps
 
     _run(run_sweeps, scales=parse_scales(scales, max_pending), overdue=overdue,
          repeats=repeats, jobs=parse_jobs(jobs), stores=_stores(store, postgres_url),
-         postgres_url=postgres_admin_url(postgres_url), out_dir=out, console=console)
+         postgres_url=postgres_admin_url(postgres_url), out_dir=_out(out), console=console)
 
 
 @app.command()
@@ -85,7 +94,7 @@ def memory(
     batch: int = typer.Option(500, "--batch", min=1, help="Calls in flight at a time."),
     store: str = typer.Option("sqlite", "--store", help="sqlite or postgres."),
     postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
-    out: Path | None = typer.Option(None, "--out", help=OUT_HELP),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
 ) -> None:
     """Worker RSS (main + children) before and after N calls, as MB per 100k calls."""
     from bench.memory import run_memory
@@ -94,7 +103,7 @@ def memory(
     if len(stores) != 1:
         raise typer.BadParameter("--store must name one store for the memory benchmark")
     _run(run_memory, calls=calls, warmup=warmup, batch=batch, store=stores[0],
-         postgres_url=postgres_admin_url(postgres_url), out_dir=out, console=console)
+         postgres_url=postgres_admin_url(postgres_url), out_dir=_out(out), console=console)
 
 
 @app.command()
@@ -102,13 +111,16 @@ def roundtrips(
     calls: int = typer.Option(200, "--calls", min=1, help="Calls per path and store."),
     store: str = typer.Option("both", "--store", help=STORE_HELP),
     postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
-    out: Path | None = typer.Option(None, "--out", help=OUT_HELP),
+    end_to_end: bool = typer.Option(True, "--end-to-end/--no-end-to-end",
+                                    help="Also count Redis commands with real workers."),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
 ) -> None:
     """Store statements, transactions, connections and Redis commands per call."""
     from bench.roundtrips import run_roundtrips
 
     _run(run_roundtrips, calls=calls, stores=_stores(store, postgres_url),
-         postgres_url=postgres_admin_url(postgres_url), out_dir=out, console=console)
+         postgres_url=postgres_admin_url(postgres_url), end_to_end=end_to_end, out_dir=_out(out),
+         console=console)
 
 
 @app.command(name="all")
@@ -118,7 +130,7 @@ def all_(
                                     "10k calls for memory."),
     store: str = typer.Option("both", "--store", help=STORE_HELP),
     postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
-    out: Path | None = typer.Option(None, "--out", help=OUT_HELP),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
 ) -> None:
     """Every benchmark in turn (what ``make bench`` runs), then every target in one table."""
     from bench.memory import run_memory
@@ -130,13 +142,13 @@ def all_(
     pg = postgres_admin_url(postgres_url)
     try:
         t = run_throughput(calls=500 if quick else 2000, rounds=2 if quick else 3,
-                           stores=stores, postgres_url=pg, out_dir=out, console=console)
+                           stores=stores, postgres_url=pg, out_dir=_out(out), console=console)
         s = run_sweeps(scales=parse_scales("10000,100000,1000000",
                                            100_000 if quick else None),
                        overdue=1000, repeats=3, jobs=list(DEFAULT_JOBS), stores=stores,
-                       postgres_url=pg, out_dir=out, console=console)
+                       postgres_url=pg, out_dir=_out(out), console=console)
         m = run_memory(calls=10_000 if quick else 100_000, warmup=2000, batch=500,
-                       store=stores[0], postgres_url=pg, out_dir=out, console=console)
+                       store=stores[0], postgres_url=pg, out_dir=_out(out), console=console)
     except BenchError as err:
         console.print(f"[red]benchmark failed:[/red] {err}")
         raise typer.Exit(1) from err

@@ -241,10 +241,10 @@ class WorkerProcess:
         return children_of(self.pid)
 
     def wait_children(self, count: int, timeout: float = 60.0) -> list[int]:
-        def ready() -> list[int] | None:
+        def ready() -> list[int]:
             self.check_alive()
             kids = self.children()
-            return kids if len(kids) >= count else None
+            return kids if len(kids) >= count else []
 
         return wait_for(ready, timeout, f"{count} children of the {self.name} worker")
 

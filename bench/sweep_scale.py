@@ -167,8 +167,9 @@ def now_for(t0: float, group: int) -> float:
 def bulk_insert(store: Store, table: SATable, rows: Iterable[dict[str, Any]]) -> int:
     """Insert ``rows`` fast (COPY on PostgreSQL, executemany on SQLite); returns the count."""
     columns = [c.name for c in table.columns]
-    defaults = {c.name: (c.default.arg if c.default is not None and c.default.is_scalar
-                         else None) for c in table.columns}
+    defaults = {c.name: getattr(c.default, "arg", None)
+                if c.default is not None and c.default.is_scalar else None
+                for c in table.columns}
 
     def tuples() -> Iterator[tuple[Any, ...]]:
         for row in rows:
@@ -300,7 +301,6 @@ def run_sweeps(
                             rt.redis.close()
                             app.close()
                             store.close()
-                        redis_server.client().flushdb()
     finally:
         redis_server.stop()
 

@@ -19,7 +19,9 @@ result; the median of the rounds), the ratio to ``raw`` of the same round (media
 rounds), enqueue/s (N / time of the send loop), p50/p99 of the send call (``apply_async`` or
 ``call_tool``), and p50/p99 of enqueue-to-terminal: ``created_at`` -> ``finished_at`` from the
 store for dex-tasks, the client's clock before ``apply_async`` -> the result's ``date_done``
-(written by the worker) for Celery.
+(written by the worker) for Celery. That latency is taken twice: over the N calls sent at once
+(so it includes the time a call waits behind the others), and over ``latency_calls`` calls
+made one at a time after each variant's burst (the latency of a call with no queue).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +85,7 @@ class RoundResult:
     send_latency: list[float] = field(repr=False)
     to_terminal: list[float] = field(repr=False)
     failures: int
+    unloaded: list[float] = field(repr=False, default_factory=list)
 
     @property
     def rate(self) -> float:
@@ -97,6 +101,8 @@ class RoundResult:
             "send_p99_ms": _ms(percentile(self.send_latency, 99)),
             "terminal_p50_ms": _ms(percentile(self.to_terminal, 50)),
             "terminal_p99_ms": _ms(percentile(self.to_terminal, 99)),
+            "unloaded_p50_ms": _ms(percentile(self.unloaded, 50)),
+            "unloaded_p99_ms": _ms(percentile(self.unloaded, 99)),
             "failures": self.failures,
         }
 
@@ -135,7 +141,7 @@ def run_raw(app: Celery, calls: int, advance: Advance) -> tuple[float, float, li
             failures += 1
         done = result.date_done
         if done is not None:
-            to_terminal.append(done.timestamp() - wall)
+            to_terminal.append(_utc_timestamp(done) - wall)
         advance(1)
     elapsed = time.perf_counter() - start
     for result, _ in sent:
@@ -170,6 +176,37 @@ def run_dex(client: DexClient, tool: str, session_id: str, calls: int,
         ).all()
     to_terminal = [r.finished_at - r.created_at for r in rows if r.finished_at is not None]
     return elapsed, send_elapsed, latency, to_terminal, failures
+
+
+def _utc_timestamp(done: datetime) -> float:
+    # Celery writes an aware UTC date_done; a naive one (older backends) is UTC as well.
+    return (done if done.tzinfo else done.replace(tzinfo=UTC)).timestamp()
+
+
+def unloaded_raw(app: Celery, calls: int) -> list[float]:
+    """Enqueue-to-terminal with one task in flight at a time (no queue in front of it)."""
+    task = app.tasks[raw_tasks.NOOP]
+    out: list[float] = []
+    for _ in range(calls):
+        wall = time.time()
+        result = task.apply_async()
+        result.get(timeout=WAIT_TIMEOUT)
+        if result.date_done is not None:
+            out.append(_utc_timestamp(result.date_done) - wall)
+        result.forget()
+    return out
+
+
+def unloaded_dex(client: DexClient, tool: str, session_id: str, calls: int) -> list[float]:
+    """Enqueue-to-terminal (from the store) with one call in flight at a time."""
+    out: list[float] = []
+    for i in range(calls):
+        record = client.call_tool(session_id=session_id, turn_id="u", tool_call_id=f"c{i}",
+                                  tool=tool)
+        done = client.wait(record.key, timeout=WAIT_TIMEOUT)
+        if done.finished_at is not None:
+            out.append(done.finished_at.timestamp() - done.created_at.timestamp())
+    return out
 
 
 # -- one store ----------------------------------------------------------------------------------
@@ -241,6 +278,18 @@ class Bench:
             self.check_alive()
             raise BenchError(f"{variant}: {err}") from err
 
+    def run_unloaded(self, variant: str, calls: int, session_id: str) -> list[float]:
+        self.check_alive()
+        try:
+            if variant == "raw":
+                assert self.raw_app is not None
+                return unloaded_raw(self.raw_app, calls)
+            assert self.client is not None
+            return unloaded_dex(self.client, DEX_TOOLS[variant], session_id, calls)
+        except TimeoutError as err:
+            self.check_alive()
+            raise BenchError(f"{variant}: {err}") from err
+
     def purge(self) -> None:
         """Empty the call tables and the result database between rounds."""
         assert self.client is not None and self.raw_app is not None
@@ -283,19 +332,21 @@ def run_throughput(
     stores: list[str],
     postgres_url: str | None,
     warmup: int = 50,
+    latency_calls: int = 100,
     loglevel: str = "WARNING",
     out_dir: Path | None = None,
     console: Console | None = None,
 ) -> dict[str, Any]:
     """Run every round on every store; print the tables; write and return the results."""
-    if calls < 1 or rounds < 1:
-        raise BenchError(f"--calls and --rounds must be at least 1, got {calls} and {rounds}")
+    if calls < 1 or rounds < 1 or latency_calls < 1:
+        raise BenchError(f"--calls, --rounds and --latency-calls must be at least 1, got "
+                         f"{calls}, {rounds} and {latency_calls}")
     console = console or Console()
     redis_server = RedisServer().start()
     machine = machine_info(redis_server, postgres_url if "postgres" in stores else None)
     results: list[RoundResult] = []
     workdir = Path(tempfile.mkdtemp(prefix="dex-bench-"))
-    total = len(stores) * rounds * len(VARIANTS) * calls * 2
+    total = len(stores) * rounds * len(VARIANTS) * (calls * 2 + latency_calls)
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console, transient=True) as progress:
@@ -318,8 +369,12 @@ def run_throughput(
                                 elapsed, send, latency, terminal, failures = bench.run(
                                     variant, calls, session,
                                     lambda n: progress.advance(bar, n))
+                                unloaded = bench.run_unloaded(variant, latency_calls,
+                                                              f"lat-{variant}-{rnd}")
+                                progress.advance(bar, latency_calls)
                                 results.append(RoundResult(kind, variant, rnd, calls, elapsed,
-                                                           send, latency, terminal, failures))
+                                                           send, latency, terminal, failures,
+                                                           unloaded))
                             bench.purge()
                     finally:
                         bench.stop()
@@ -333,6 +388,7 @@ def run_throughput(
     print_targets(console, targets)
     payload = {
         "config": {"calls": calls, "rounds": rounds, "stores": stores, "warmup": warmup,
+                   "latency_calls": latency_calls,
                    "worker_concurrency": CONCURRENCY, "worker_loglevel": loglevel,
                    "raw": "Celery defaults + JSON, Redis result backend, results awaited",
                    "dex_client": "catalog lookup (tool code not imported by the agent side)"},
@@ -368,6 +424,8 @@ def aggregate(results: list[RoundResult]) -> list[dict[str, Any]]:
                 "send_p99_ms": _ms(percentile(_pool(runs, "send_latency"), 99)),
                 "terminal_p50_ms": _ms(percentile(_pool(runs, "to_terminal"), 50)),
                 "terminal_p99_ms": _ms(percentile(_pool(runs, "to_terminal"), 99)),
+                "unloaded_p50_ms": _ms(percentile(_pool(runs, "unloaded"), 50)),
+                "unloaded_p99_ms": _ms(percentile(_pool(runs, "unloaded"), 99)),
                 "failures": sum(r.failures for r in runs),
             }
             if variant == "single":
@@ -390,23 +448,26 @@ def throughput_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if "single" in by:
             out.append(check("single_vs_read", by["single"]["vs_read"], store))
         if "read" in by and "raw" in by:
-            out.append(check("call_tool_vs_apply_async_p50",
-                             by["read"]["send_p50_ms"] / by["raw"]["send_p50_ms"], store,
-                             f"{by['read']['send_p50_ms']:.2f} vs {by['raw']['send_p50_ms']:.2f} ms"))
+            dex, raw = by["read"]["send_p50_ms"], by["raw"]["send_p50_ms"]
+            out.append(check("call_tool_vs_apply_async_p50", dex / raw, store,
+                             f"{dex:.2f} vs {raw:.2f} ms"))
     return out
 
 
 def print_table(console: Console, rows: list[dict[str, Any]], calls: int, rounds: int) -> None:
     table = Table(title=f"Throughput: {calls} no-op calls x {rounds} rounds per variant",
-                  caption="calls/s, vs raw, enqueue/s: medians of the rounds; latencies in ms "
-                          "over all rounds (send: apply_async or call_tool; e2e: enqueue to "
-                          "terminal)")
+                  caption="calls/s, vs raw, enqueue/s: medians of the rounds. Latencies in ms "
+                          "over all rounds. send: apply_async or call_tool. e2e: enqueue to "
+                          "terminal of the N calls sent at once (includes queueing); 1-by-1: "
+                          "the same with one call in flight")
     for column in ("store", "variant", "calls/s", "vs raw", "enqueue/s", "send p50",
-                   "send p99", "e2e p50", "e2e p99", "failed"):
+                   "send p99", "e2e p50", "e2e p99", "1-by-1 e2e p50", "1-by-1 e2e p99",
+                   "failed"):
         table.add_column(column, justify="left" if column in ("store", "variant") else "right")
     for r in rows:
         table.add_row(r["store"], r["variant"], f"{r['calls_per_s']:.0f}", f"{r['vs_raw']:.2f}x",
                       f"{r['enqueue_per_s']:.0f}", f"{r['send_p50_ms']:.2f}",
                       f"{r['send_p99_ms']:.2f}", f"{r['terminal_p50_ms']:.1f}",
-                      f"{r['terminal_p99_ms']:.1f}", str(r["failures"]))
+                      f"{r['terminal_p99_ms']:.1f}", f"{r['unloaded_p50_ms']:.1f}",
+                      f"{r['unloaded_p99_ms']:.1f}", str(r["failures"]))
     console.print(table)

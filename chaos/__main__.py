@@ -77,8 +77,8 @@ def render(report: Report, console: Console) -> None:
         row = [counts.get(s, 0) for s in STATUSES]
         other = sum(counts.values()) - sum(row)
         cells = [*row, other, sum(counts.values())]
-        for name, value in zip([*STATUSES, "other", "total"], cells, strict=True):
-            totals[name] += value
+        for name, cell in zip([*STATUSES, "other", "total"], cells, strict=True):
+            totals[name] += cell
         calls.add_row(tool, *map(str, cells))
     calls.add_row("[bold]all", *[f"[bold]{v}" for v in totals.values()])
     console.print(calls)
@@ -88,7 +88,7 @@ def render(report: Report, console: Console) -> None:
     figures = Table(title="Figures", title_justify="left")
     figures.add_column("figure")
     figures.add_column("value", justify="right")
-    rows = [
+    rows: list[tuple[str, object]] = [
         ("calls made / stored", f"{f['driver.calls']} / {f['calls']}"),
         ("call_tool failed at once (Redis down)", f["driver.failed_at_call"]),
         ("tool executions (ledger)", f["executions"]),
@@ -99,7 +99,8 @@ def render(report: Report, console: Console) -> None:
         ("retrying calls out of attempts", f["attempts_ran_out"]),
         ("approvals granted by the driver", f["approvals.approved"]),
         ("busy children SIGKILLed", f["kills.child"]),
-        ("whole workers SIGKILLed (processes)", f"{f['kills.worker']} ({f['kills.processes']})"),
+        ("whole workers SIGKILLed (processes)",
+         f"{f['kills.worker']} ({f['kills.worker_processes']})"),
         ("kills skipped (no safe moment)",
          f["faults.child_kill_skipped"] + f["faults.worker_kill_skipped"]),
         ("beat restarts", f["faults.beat"]),
@@ -111,8 +112,8 @@ def render(report: Report, console: Console) -> None:
          " / ".join(f"{t.get(k, 0):.1f}" for k in ("start", "load", "settle", "total"))),
         ("violations", len(report.verdict.violations)),
     ]
-    for name, value in rows:
-        figures.add_row(name, str(value))
+    for label, value in rows:
+        figures.add_row(label, str(value))
     console.print(figures)
     if report.verdict.violations:
         console.print(f"[bold red]{len(report.verdict.violations)} violation(s):")

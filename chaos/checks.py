@@ -95,7 +95,8 @@ class _Checker:
         self.figures["executions"] = sum(len(v) for v in self.runs.values())
         self.figures["kills.child"] = sum(k.kind == "child" for k in self.kills)
         self.figures["kills.worker"] = sum(k.kind == "worker" for k in self.kills)
-        self.figures["kills.processes"] = sum(len(k.pids) for k in self.kills)
+        self.figures["kills.worker_processes"] = sum(len(k.pids) for k in self.kills
+                                                     if k.kind == "worker")
         self.verdict.figures = dict(self.figures)
         return self.verdict
 

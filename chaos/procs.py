@@ -125,6 +125,7 @@ class DexProcess:
     def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
         self.args = args
         self.log_path = log_path
+        self._ready = False
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [*dex_command(), *args], cwd=ROOT, env=env, stdout=log,
@@ -143,11 +144,22 @@ class DexProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def ready(self) -> bool:
-        """True once a worker logged that it is ready (beat: once it started)."""
-        if not self.alive:
-            raise RuntimeError(f"{' '.join(self.args)} exited early:\n{self.log()[-3000:]}")
-        marker = " ready." if self.args[0] == "worker" else "beat: Starting"
-        return marker in self.log()
+        """True once a worker logged that it is ready (beat: once it started); raises if the
+        process exited before that."""
+        if not self._ready:
+            if not self.alive:
+                raise RuntimeError(f"{' '.join(self.args)} exited early:\n{self.log()[-3000:]}")
+            marker = " ready." if self.args[0] == "worker" else "beat: Starting"
+            self._ready = marker in self.log()
+        return self._ready
+
+    @property
+    def serving(self) -> bool:
+        """Alive and ready (never raises)."""
+        try:
+            return self.alive and self.ready()
+        except RuntimeError:
+            return False
 
     def children(self) -> list[int]:
         return children_of(self.pid) if self.alive else []

@@ -55,9 +55,10 @@ def gil_hog(ctx: ToolContext, seconds: float) -> dict[str, object]:
     """
     ledger.record("gil_hog", ctx.idempotency_key, ctx.attempt)
     base = 16
-    unit = max(_backtrack_seconds(base), 1e-4)
-    # Each extra character doubles the work (a little more): one match of this size takes
-    # between one and about two times ``seconds``.
+    # The fastest of a few runs: if the machine gets less busy later, the long match still
+    # lasts at least ``seconds``. Each extra character doubles the work (a little more), so
+    # one match of this size takes between one and about two times ``seconds`` at that speed.
+    unit = max(min(_backtrack_seconds(base) for _ in range(5)), 1e-4)
     n = base + max(0, math.ceil(math.log2(seconds / unit)))
     last = time.monotonic()
     stall = 0.0

@@ -142,11 +142,18 @@ def demo(
 
 
 @app.command()
-def sweep() -> None:
+def sweep(
+    tools: str = typer.Option(
+        "", "--tools",
+        help="Tool modules to import, so their registered reconcilers run too.",
+    ),
+) -> None:
     """Run every periodic job of beat_schedule.py once, now."""
     from dex_tasks.execution import runtime
     from dex_tasks.sweeps import run_all
 
+    if tools:
+        import_tool_modules(tools)
     settings = DexSettings()
     rt = runtime(create_app(settings))
     rt.store.create_all()

@@ -28,14 +28,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import exists, insert, select
-from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
+from dex_tasks.approvals import add_message
 from dex_tasks.errors import DexError
 from dex_tasks.models import ReconciliationRow, ToolCallRow
 from dex_tasks.registry import Tool, local_tools
 from dex_tasks.states import CallStatus
-from dex_tasks.store import CALLS, MESSAGES, Store, deliver_ready_messages
+from dex_tasks.store import CALLS, Store
 
 if TYPE_CHECKING:
     from dex_tasks.client import DexClient
@@ -199,7 +199,9 @@ def _report_one(
     now = time.time() if now is None else now
     try:
         with store.write() as conn:
-            message_id = _insert_message(conn, call.session_id, text, now)
+            # In our transaction: the message and the record that the call was reported
+            # commit (or fail) together.
+            message_id = add_message(conn, call.session_id, text, now)
             conn.execute(insert(RECONCILIATIONS).values(
                 key=call.key, session_id=call.session_id, message_id=message_id,
                 checker=checker[:255], report=text, reported_at=now,
@@ -213,15 +215,3 @@ def _report_one(
                     "session_id": call.session_id, "checker": checker, "message_id": message_id})
     return Report(key=call.key, session_id=call.session_id, tool=call.tool, text=text,
                   message_id=message_id)
-
-
-def _insert_message(conn: Connection, session_id: str, text: str, now: float) -> int:
-    # The same two statements as approvals.send_user_message, but inside our transaction, so
-    # the message and the record that the call was reported commit (or fail) together.
-    message_id = int(conn.execute(
-        insert(MESSAGES)
-        .values(session_id=session_id, text=text, status="queued", created_at=now)
-        .returning(MESSAGES.c.id)
-    ).scalar_one())
-    deliver_ready_messages(conn, now, session_id)
-    return message_id

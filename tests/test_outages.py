@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from dex_tasks import (
     TOOL_DID_NOT_RUN,
@@ -60,13 +61,20 @@ def test_busy_workers_survive_redis_restarts_and_consume_again(
     worker = start_worker(concurrency=2)
     assert client.wait(_lookup(client, "warm-up"), 20).status is CallStatus.SUCCEEDED
 
-    for round_ in range(2):  # a reconnect that works once and stalls the next time is a known bug
+    # Two crashes (a reconnect that works once and stalls the next time is a known bug), then a
+    # reset of every client connection with Redis up (celery#10205).
+    for round_, outage in enumerate(("crash", "crash", "reset")):
         in_flight = _lookup(client, f"in-flight-{round_}", sleep=1.5)
         _wait_running(client, in_flight)
 
-        # When Redis crashes and comes back on the same port and directory
-        private_redis.stop()
-        private_redis.start()
+        # When Redis crashes and comes back on the same port and directory (or drops clients)
+        if outage == "crash":
+            private_redis.stop()
+            private_redis.start()
+        else:
+            admin = redis.Redis(port=private_redis.port)
+            assert admin.client_kill_filter(_type="normal", skipme=True) > 0
+            admin.close()
         restarted = time.monotonic()
 
         # Then calls made after the restart complete, and the call that ran across it succeeds
@@ -75,14 +83,14 @@ def test_busy_workers_survive_redis_restarts_and_consume_again(
         for key in after:
             assert client.wait(key, 15).status is CallStatus.SUCCEEDED
         resumed = time.monotonic() - restarted
-        assert resumed < 10, f"consuming resumed only {resumed:.1f}s after the restart"
+        assert resumed < 10, f"consuming resumed only {resumed:.1f}s after the {outage}"
         final = client.wait(in_flight, 15)
         assert final.status is CallStatus.SUCCEEDED and final.attempts == 1
 
     assert worker.proc.poll() is None, f"the worker exited:\n{worker.log()[-3000:]}"
     assert "Unrecoverable error" not in worker.log()
     runs = ledger.executions(ledger_path)
-    assert len(runs) == 9 and set(runs.values()) == {1}
+    assert len(runs) == 13 and set(runs.values()) == {1}
 
 
 def _wait_running(client: DexClient, key: str) -> None:

@@ -86,16 +86,15 @@ def test_a_message_delivered_twice_and_a_repeated_call_run_once(
     worker.kill_all()
 
 
-def _running_on(ledger_path: Path, worker: WorkerProcess,
-                client: DexClient) -> tuple[str, int] | None:
-    """A (key, child pid) of a charge that ``worker`` is executing right now."""
-    kids = set(worker.children())
-    for entry in ledger.read(ledger_path):
-        if entry["pid"] in kids:
+def _running_on(ledger_path: Path, pids: set[int], client: DexClient) -> dict[str, int]:
+    """{key: child pid} of the charges running in those processes, most recent start first."""
+    running: dict[str, int] = {}
+    for entry in sorted(ledger.read(ledger_path), key=lambda e: -e["at"]):
+        if entry["pid"] in pids:
             call = client.store.get_call(entry["key"])
             if call is not None and call.status == CallStatus.RUNNING.value:
-                return entry["key"], int(entry["pid"])
-    return None
+                running[entry["key"]] = int(entry["pid"])
+    return running
 
 
 def test_at_most_once_through_duplicates_kills_and_concurrent_sweeps(
@@ -134,13 +133,18 @@ def test_at_most_once_through_duplicates_kills_and_concurrent_sweeps(
         thread.start()
     try:
         # When a busy child of the first worker is SIGKILLed
-        key, pid = wait_until(lambda: _running_on(ledger_path, first, client), 20,
-                              "a charge running on the first worker")
+        # (the one that started last: it has the most left to do)
+        key, pid = next(iter(wait_until(
+            lambda: _running_on(ledger_path, set(first.children()), client), 20,
+            "a charge running on the first worker").items()))
         os.kill(pid, signal.SIGKILL)
         # And the whole second worker disappears mid-run, and a replacement starts
-        lost_key, _ = wait_until(lambda: _running_on(ledger_path, second, client), 20,
-                                 "a charge running on the second worker")
+        doomed = set(second.children())
+        wait_until(lambda: _running_on(ledger_path, doomed, client), 20,
+                   "a charge running on the second worker")
         second.kill_all()
+        # (what was still running there when it died; nothing can finish those now but the reaper)
+        lost = _running_on(ledger_path, doomed, client)
         third = start_worker(concurrency=2)
         # And an operator runs `dex-tasks sweep` meanwhile
         sweep = subprocess.run([*dex_command(), "sweep"], env=env, capture_output=True, timeout=60,
@@ -176,8 +180,10 @@ def test_at_most_once_through_duplicates_kills_and_concurrent_sweeps(
             assert runs[k] == 0
     # The killed child's charge and the lost worker's charge are honest about it.
     assert final[key].status is CallStatus.OUTCOME_UNKNOWN
-    assert final[lost_key].status is CallStatus.OUTCOME_UNKNOWN
-    assert "renewing its lease" in (final[lost_key].error or "")
+    assert lost
+    for lost_key in lost:
+        assert final[lost_key].status is CallStatus.OUTCOME_UNKNOWN
+        assert "renewing its lease" in (final[lost_key].error or "")
     assert not pid_alive(pid)
     succeeded = sum(r.status is CallStatus.SUCCEEDED for r in final.values())
     assert succeeded >= len(records) - 6, {k: r.status.value for k, r in final.items()}

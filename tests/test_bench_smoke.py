@@ -1,0 +1,92 @@
+"""The benchmarks of ``bench/`` run and produce figures, at tiny sizes.
+
+Only that the harness works is checked here (every variant measured, every call succeeded,
+results written, targets evaluated); nothing is asserted about time or speed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from bench.infra import child_env
+from bench.memory import run_memory
+from bench.sweep_scale import DEFAULT_JOBS, run_sweeps
+from bench.throughput import run_throughput
+from tests.conftest import POSTGRES_URL
+from tests.helpers import ROOT
+
+
+def _quiet() -> Console:
+    return Console(file=io.StringIO(), width=200)
+
+
+def _written(payload: dict[str, Any], out: Path) -> dict[str, Any]:
+    path = Path(payload["path"])
+    assert path.parent == out
+    data: dict[str, Any] = json.loads(path.read_text())
+    assert data["timestamp"] and data["machine"]["nproc"] and data["machine"]["versions"]["celery"]
+    return data
+
+
+def test_throughput_measures_raw_celery_and_both_dex_paths(tmp_path: Path) -> None:
+    data = _written(run_throughput(calls=20, rounds=1, stores=["sqlite"], postgres_url=None,
+                                   warmup=3, out_dir=tmp_path, console=_quiet()), tmp_path)
+
+    assert [(r["store"], r["variant"]) for r in data["summary"]] == [
+        ("sqlite", "raw"), ("sqlite", "read"), ("sqlite", "single")]
+    for row in data["summary"]:
+        assert row["failures"] == 0, row
+        for figure in ("calls_per_s", "vs_raw", "send_p50_ms", "send_p99_ms",
+                       "terminal_p50_ms", "terminal_p99_ms"):
+            assert row[figure] is not None and row[figure] == row[figure], (figure, row)
+    assert {t["target"] for t in data["targets"]} == {
+        "read_vs_raw", "single_vs_read", "call_tool_vs_apply_async_p50"}
+
+
+def test_sweep_scale_times_every_job_at_each_scale(tmp_path: Path) -> None:
+    stores = ["sqlite", "postgres"] if POSTGRES_URL else ["sqlite"]
+    data = _written(run_sweeps(scales=[100, 200], overdue=20, repeats=2,
+                               jobs=list(DEFAULT_JOBS), stores=stores,
+                               postgres_url=POSTGRES_URL or None, out_dir=tmp_path,
+                               console=_quiet()), tmp_path)
+
+    # The harness itself refuses a sweep that did not move exactly its overdue group.
+    timed = {(t["store"], t["scale"], t["job"]): t for t in data["timings"]}
+    assert set(timed) == {(s, n, j) for s in stores for n in (100, 200) for j in DEFAULT_JOBS}
+    assert all(t["moved"] == [20, 20] for t in timed.values())
+    assert [(t["target"], t["label"]) for t in data["targets"]] == [
+        ("sweep_growth", f"{s} 200/100") for s in stores]
+
+
+def test_memory_samples_the_worker_rss(tmp_path: Path) -> None:
+    data = _written(run_memory(calls=20, warmup=10, batch=10, store="sqlite",
+                               postgres_url=None, out_dir=tmp_path, console=_quiet()),
+                    tmp_path)
+
+    assert data["failures"] == 0
+    assert len(data["samples"]) == 3 and data["rss_before_mb"] > 0
+    assert len(data["pids"]["children_first"]) == 2
+    assert [t["target"] for t in data["targets"]] == ["rss_growth"]
+
+
+def test_roundtrips_counts_store_and_redis_work_per_call(tmp_path: Path) -> None:
+    # A subprocess: the count imports the no-op tools, which must not leak into this one.
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "roundtrips", "--calls", "5", "--store", "sqlite",
+         "--no-end-to-end", "--out", str(tmp_path)],
+        cwd=ROOT, env=child_env({}), capture_output=True, text=True, timeout=100,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    [path] = tmp_path.glob("roundtrips-*.json")
+    phases = json.loads(path.read_text())["phases"]
+    by = {(p["path"], p["phase"]): p for p in phases}
+    assert by[("read", "call_tool (catalog)")]["sql"]["INSERT"] >= 1
+    assert by[("read", "worker task body")]["sql"]["UPDATE"] >= 2  # claim and finish
+    assert by[("single", "worker task body")]["redis"]["set"] == 1  # the Redis claim
