@@ -36,6 +36,7 @@ from bench.infra import (
     write_results,
 )
 from bench.targets import check, print_targets
+from bench.throughput import session_for
 from dex_tasks import CallStatus, DexClient, DexSettings
 
 MB = 1024 * 1024
@@ -45,8 +46,8 @@ CONCURRENCY = 2
 
 def run_batch(client: DexClient, session: str, tool: str, start: int, count: int) -> int:
     """``count`` calls sent, then waited on; returns how many did not succeed."""
-    keys = [client.call_tool(session_id=session, turn_id="t", tool_call_id=f"c{start + i}",
-                             tool=tool).key for i in range(count)]
+    keys = [client.call_tool(session_id=session_for(session, start + i), turn_id="t",
+                             tool_call_id=f"c{start + i}", tool=tool).key for i in range(count)]
     return sum(client.wait(k, timeout=120).status != CallStatus.SUCCEEDED for k in keys)
 
 

@@ -43,7 +43,7 @@ from bench.infra import (
     machine_info,
     write_results,
 )
-from bench.throughput import DEX_DB, Bench
+from bench.throughput import DEX_DB, Bench, session_for
 from dex_tasks import DexClient, DexSettings
 from dex_tasks.store import Store
 
@@ -157,8 +157,8 @@ def publish_catalog(database_url: str) -> None:
 
 
 def _send(client: DexClient, session: str, tool: str, calls: int, keys: list[str]) -> None:
-    keys += [client.call_tool(session_id=session, turn_id="t", tool_call_id=f"c{i}",
-                              tool=tool).key for i in range(calls)]
+    keys += [client.call_tool(session_id=session_for(session, i), turn_id="t",
+                              tool_call_id=f"c{i}", tool=tool).key for i in range(calls)]
 
 
 def _work(body: Callable[[Any, str], None], task: StubTask, keys: list[str]) -> None:

@@ -5,7 +5,8 @@ that drift in the machine's load falls on all of them alike:
 
 * ``raw``: a no-op Celery task (``bench/raw_tasks.py``), prefork ``-c 2``, JSON, Redis result
   backend; ``apply_async`` N times, then ``.get()`` every result.
-* ``read``: ``DexClient.call_tool`` of a no-op ``read`` tool N times, then ``wait`` on each.
+* ``read``: ``DexClient.call_tool`` of a no-op ``read`` tool N times, then ``wait`` on each
+  (10 calls per session, as if many agents were calling).
 * ``single``: the same with a no-op ``non_idempotent_write`` tool (``requires_approval=False``),
   the single-attempt path.
 
@@ -70,6 +71,14 @@ DEX_TOOLS = {"read": READ_TOOL, "single": SINGLE_ATTEMPT_TOOL}
 DEX_DB, RAW_BROKER_DB, RAW_BACKEND_DB = 0, 1, 2
 CONCURRENCY = 2
 WAIT_TIMEOUT = 120.0
+# Calls are spread over sessions like the turns of many agents, not piled into one session
+# (ending a call takes a per-session lock to deliver that session's queued messages).
+CALLS_PER_SESSION = 10
+
+
+def session_for(prefix: str, i: int) -> str:
+    """The session of the ``i``-th call of a run (``CALLS_PER_SESSION`` calls per session)."""
+    return f"{prefix}-{i // CALLS_PER_SESSION}"
 
 
 @dataclass
@@ -157,8 +166,8 @@ def run_dex(client: DexClient, tool: str, session_id: str, calls: int,
     start = time.perf_counter()
     for i in range(calls):
         t0 = time.perf_counter()
-        record = client.call_tool(session_id=session_id, turn_id="t", tool_call_id=f"c{i}",
-                                  tool=tool)
+        record = client.call_tool(session_id=session_for(session_id, i), turn_id="t",
+                                  tool_call_id=f"c{i}", tool=tool)
         latency.append(time.perf_counter() - t0)
         keys.append(record.key)
         advance(1)
@@ -172,7 +181,7 @@ def run_dex(client: DexClient, tool: str, session_id: str, calls: int,
     with client.store.read() as conn:
         rows = conn.execute(
             select(CALLS.c.created_at, CALLS.c.finished_at).where(
-                CALLS.c.session_id == session_id)
+                CALLS.c.session_id.like(f"{session_id}-%"))
         ).all()
     to_terminal = [r.finished_at - r.created_at for r in rows if r.finished_at is not None]
     return elapsed, send_elapsed, latency, to_terminal, failures
@@ -201,8 +210,8 @@ def unloaded_dex(client: DexClient, tool: str, session_id: str, calls: int) -> l
     """Enqueue-to-terminal (from the store) with one call in flight at a time."""
     out: list[float] = []
     for i in range(calls):
-        record = client.call_tool(session_id=session_id, turn_id="u", tool_call_id=f"c{i}",
-                                  tool=tool)
+        record = client.call_tool(session_id=session_for(session_id, i), turn_id="u",
+                                  tool_call_id=f"c{i}", tool=tool)
         done = client.wait(record.key, timeout=WAIT_TIMEOUT)
         if done.finished_at is not None:
             out.append(done.finished_at.timestamp() - done.created_at.timestamp())

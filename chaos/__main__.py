@@ -97,6 +97,7 @@ def render(report: Report, console: Console) -> None:
         ("did not run (exact prefix)", f["did_not_run"]),
         ("outcome_unknown (each hit by a kill)", f["outcome_unknown"]),
         ("retrying calls out of attempts", f["attempts_ran_out"]),
+        ("attempts declared lost (each hit by a kill)", f["attempts_lost"]),
         ("approvals granted by the driver", f["approvals.approved"]),
         ("busy children SIGKILLed", f["kills.child"]),
         ("whole workers SIGKILLed (processes)",

@@ -1,11 +1,13 @@
 """The verdict of a chaos run: pure functions of the store's calls, the ledger and the kills.
 
-No I/O here, so the tests can feed fabricated runs (a charge executed twice, an
-``outcome_unknown`` no kill explains) and see each one reported.
+No I/O here (``Tally`` only collects what the running harness reports), so the tests can feed
+fabricated runs (a charge executed twice, an ``outcome_unknown`` no kill explains) and see each
+one reported.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +57,23 @@ class Verdict:
         return not self.violations
 
 
+class Tally:
+    """Figures and problems that the harness's threads report as they go (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.figures: Counter[str] = Counter()
+        self.problems: list[str] = []
+        self.lock = threading.Lock()
+
+    def count(self, figure: str, n: int = 1) -> None:
+        with self.lock:
+            self.figures[figure] += n
+
+    def problem(self, text: str) -> None:
+        with self.lock:
+            self.problems.append(text)
+
+
 def executions(ledger: Iterable[Mapping[str, Any]]) -> dict[str, list[Execution]]:
     """The ledger's executions grouped by idempotency key."""
     result: dict[str, list[Execution]] = defaultdict(list)
@@ -73,11 +92,13 @@ def _single_attempt(call: ToolCallRow) -> bool:
 
 class _Checker:
     def __init__(self, calls: Sequence[ToolCallRow], runs: Mapping[str, list[Execution]],
-                 kills: Sequence[Kill], intents: Mapping[str, str]) -> None:
+                 kills: Sequence[Kill], intents: Mapping[str, str],
+                 lost: Sequence[tuple[str, int]]) -> None:
         self.calls = calls
         self.runs = runs
         self.kills = kills
         self.intents = intents
+        self.lost = lost
         self.verdict = Verdict()
         self.figures: Counter[str] = Counter()
 
@@ -86,11 +107,14 @@ class _Checker:
         self.verdict.violations.append(f"{kind}: {call.key} ({call.tool}, {call.status}): {text}")
 
     def run(self) -> Verdict:
+        by_key = {call.key: call for call in self.calls}
         for call in self.calls:
             self.verdict.by_tool.setdefault(call.tool, Counter())[call.status] += 1
             self.figures[f"status.{call.status}"] += 1
             self.check_executions(call)
             self.check_status(call)
+        for key, attempt in self.lost:
+            self.check_lost(by_key[key], attempt)
         self.figures["calls"] = len(self.calls)
         self.figures["executions"] = sum(len(v) for v in self.runs.values())
         self.figures["kills.child"] = sum(k.kind == "child" for k in self.kills)
@@ -176,11 +200,25 @@ class _Checker:
             self.problem("unknown_without_execution", call,
                          f"no ledger line for attempt {call.attempts}: no kill could have hit it")
             return
-        run = last[-1]
-        if not any(run.pid in k.pids and k.at >= run.at - CLOCK_SLACK for k in self.kills):
+        if not self.killed(last[-1]):
             self.problem("unknown_without_kill", call,
-                         f"pid {run.pid} started it at {run.at:.3f} and no kill hit that pid "
-                         "afterwards (a live call was given up on)")
+                         f"pid {last[-1].pid} started it at {last[-1].at:.3f} and no kill hit "
+                         "that pid afterwards (a live call was given up on)")
+
+    def killed(self, run: Execution) -> bool:
+        return any(run.pid in k.pids and k.at >= run.at - CLOCK_SLACK for k in self.kills)
+
+    def check_lost(self, call: ToolCallRow, attempt: int) -> None:
+        """The system declared this attempt lost (child died, lease ran out): was it killed?"""
+        self.figures["attempts_lost"] += 1
+        runs = [r for r in self.runs.get(call.key, []) if r.attempt == attempt]
+        if not runs:
+            self.problem("lost_without_execution", call,
+                         f"attempt {attempt} was declared lost but never reached the tool")
+        elif not self.killed(runs[-1]):
+            self.problem("lost_while_alive", call,
+                         f"attempt {attempt} (pid {runs[-1].pid}) was declared lost, but no "
+                         "kill hit that pid: a live attempt was reaped")
 
 
 def check_run(
@@ -188,6 +226,21 @@ def check_run(
     ledger: Iterable[Mapping[str, Any]],
     kills: Sequence[Kill],
     intents: Mapping[str, str],
+    lost: Sequence[tuple[str, int]] = (),
 ) -> Verdict:
-    """Check every guarantee the harness can see; see the module docstring."""
-    return _Checker(calls, executions(ledger), kills, intents).run()
+    """Check every guarantee a run can show; each broken one is a violation naming the call.
+
+    * every call ended (terminal status);
+    * no single-attempt key executed twice, no attempt of a retrying call executed twice, and
+      no execution without a claimed attempt (ledger against the store);
+    * succeeded calls ran; reads and idempotent writes failed only as "did not run" or with
+      their attempts used up;
+    * every "did not run" failure has the exact prefix and no ledger line;
+    * every ``outcome_unknown`` has the exact prefix, belongs to a single-attempt call or an
+      idempotent write out of attempts, and its last attempt's process was SIGKILLed after
+      that attempt started (it has a ledger line, and a kill hit that very PID);
+    * refunds left to expire were rejected for their deadline; approved ones were not rejected;
+    * every attempt the system declared lost (``lost``: (key, attempt) pairs from the events)
+      was really killed after it started: no live attempt was reaped.
+    """
+    return _Checker(calls, executions(ledger), kills, intents, lost).run()

@@ -185,3 +185,41 @@ class DexProcess:
                 self.kill_all(kids)
         for kid in kids:
             signal_quietly(kid, signal.SIGKILL)
+
+
+class Cluster:
+    """Everything a run starts: Redis, workers and beat, all writing logs to ``workdir``."""
+
+    def __init__(self, workdir: Path, tools: str, concurrency: int) -> None:
+        self.workdir = workdir
+        self.tools = tools
+        self.concurrency = concurrency
+        self.redis = RedisProcess(workdir / "redis")
+        self.workers: list[DexProcess] = []
+        self.beat: DexProcess | None = None
+        self.env: dict[str, str] = {}
+        self.started = 0
+
+    def start_worker(self) -> DexProcess:
+        """Start one more worker (it takes a few seconds to become ready)."""
+        self.started += 1
+        worker = DexProcess(["worker", "--tools", self.tools, "-c", str(self.concurrency),
+                             "--loglevel", "INFO"],
+                            self.env, self.workdir / f"worker-{self.started}.log")
+        self.workers.append(worker)
+        return worker
+
+    def start_beat(self) -> DexProcess:
+        """Start beat (after SIGKILLing the previous one, if any)."""
+        if self.beat is not None:
+            self.beat.kill_all()
+        self.started += 1
+        self.beat = DexProcess(["beat", "--loglevel", "INFO"], self.env,
+                               self.workdir / f"beat-{self.started}.log")
+        return self.beat
+
+    def stop(self) -> None:
+        """Stop every process, Redis last."""
+        for proc in [*self.workers, *([self.beat] if self.beat else [])]:
+            proc.stop(timeout=10)
+        self.redis.kill()

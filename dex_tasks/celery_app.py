@@ -19,6 +19,9 @@ from dex_tasks.settings import DexSettings
 
 RETRYING_QUEUE = "dex.retrying"
 SINGLE_ATTEMPT_QUEUE = "dex.single_attempt"
+# Sweeps get a queue of their own so a backlog of tool calls never delays reaping lost work.
+SWEEPS_QUEUE = "dex.sweeps"
+ALL_QUEUES = (RETRYING_QUEUE, SINGLE_ATTEMPT_QUEUE, SWEEPS_QUEUE)
 RUN_RETRYING = "dex.call_tool"
 RUN_SINGLE_ATTEMPT = "dex.call_single_attempt_tool"
 SWEEP = "dex.sweep"
@@ -45,17 +48,20 @@ def create_app(settings: DexSettings) -> Celery:
         task_ignore_result=True,
         task_store_errors_even_if_ignored=False,
         task_default_queue=RETRYING_QUEUE,
-        task_queues=[Queue(RETRYING_QUEUE), Queue(SINGLE_ATTEMPT_QUEUE)],  # type: ignore[no-untyped-call]
+        task_queues=[Queue(name) for name in ALL_QUEUES],  # type: ignore[no-untyped-call]
         task_routes={
             RUN_RETRYING: {"queue": RETRYING_QUEUE},
             RUN_SINGLE_ATTEMPT: {"queue": SINGLE_ATTEMPT_QUEUE},
-            SWEEP: {"queue": RETRYING_QUEUE},
+            SWEEP: {"queue": SWEEPS_QUEUE},
         },
         # One message at a time per child: a prefetched message is one a dying worker takes
         # with it, and one the visibility timeout may hand to a second worker.
         worker_prefetch_multiplier=1,
         broker_transport_options=transport,
         broker_connection_retry_on_startup=True,
+        # Workers keep reconnecting through a long Redis outage instead of exiting after
+        # about 100 tries; publishing has its own short retry policy (see publish()).
+        broker_connection_max_retries=None,
         # Survives Redis going away while messages are unacked (see DexConsumer).
         worker_consumer="dex_tasks.execution:DexConsumer",
         broker_connection_timeout=settings.publish_timeout_seconds,

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dex_tasks import catalog
-from dex_tasks.celery_app import RETRYING_QUEUE, SINGLE_ATTEMPT_QUEUE, create_app
+from dex_tasks.celery_app import ALL_QUEUES, create_app
 from dex_tasks.logs import FORMATS, setup_process_logging
 from dex_tasks.registry import local_tools
 from dex_tasks.settings import DexSettings, settings_help
@@ -78,7 +78,7 @@ def worker(
         # JSON logs: no banner, so every line a collector reads is one JSON object.
         *(["--quiet"] if log_format == "json" else []),
         "worker",
-        "-Q", f"{RETRYING_QUEUE},{SINGLE_ATTEMPT_QUEUE}",
+        "-Q", ",".join(ALL_QUEUES),
         "-c", str(concurrency),
         "-P", "prefork",
         # A unique node name per process: leases are owned by "<node>:<child pid>".

@@ -41,6 +41,9 @@ class ToolCallRow(SQLModel, table=True):
     worker: str | None = Field(default=None, max_length=255)
     lease_expires_at: float | None = None
     published_at: float | None = None
+    # How often the stranded-call sweep republished it; each republish doubles the wait before
+    # the next, so a long backlog (messages waiting, not lost) is not flooded with duplicates.
+    republishes: int = 0
     expires_at: float | None = None
     created_at: float
     updated_at: float

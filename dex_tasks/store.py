@@ -362,13 +362,21 @@ class Store:
             ).mappings()
             return [ToolCallRow.model_validate(dict(r)) for r in rows]
 
-    def mark_published(self, key: str, now: float | None = None) -> None:
-        """Record when a message for a queued call was last published (not a status change)."""
+    def mark_published(self, key: str, now: float | None = None, *,
+                       republished: bool = False) -> None:
+        """Record when a message for a queued call was last published (not a status change).
+
+        ``republished`` counts a republish by the stranded-call sweep, which backs off on
+        calls it has already republished.
+        """
+        values: dict[str, Any] = {"published_at": time.time() if now is None else now}
+        if republished:
+            values["republishes"] = CALLS.c.republishes + 1
         with self.write() as conn:
             conn.execute(
                 update(CALLS)
                 .where(CALLS.c.key == key, CALLS.c.status == CallStatus.QUEUED.value)
-                .values(published_at=time.time() if now is None else now)
+                .values(**values)
             )
 
     def renew_leases(self, worker_prefix: str, keys: Sequence[str], until: float) -> int:
@@ -409,6 +417,7 @@ class Store:
                     CALLS.c.status == CallStatus.QUEUED.value,
                     (CALLS.c.published_at < published_before) | CALLS.c.published_at.is_(None),
                 )
+                .order_by(CALLS.c.published_at)
                 .limit(limit)
             ).mappings()
             return [ToolCallRow.model_validate(dict(r)) for r in rows]

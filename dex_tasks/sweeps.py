@@ -41,8 +41,15 @@ def reap_expired_leases(rt: Runtime, now: float | None = None) -> int:
     return moved
 
 
+MAX_REPUBLISH_DOUBLINGS = 6
+
+
 def republish_stranded(rt: Runtime, now: float | None = None) -> int:
     """Republish queued calls whose message seems lost; returns how many it acted on.
+
+    A call republished ``n`` times already waits ``window * 2**n`` (capped at 64 windows)
+    before the next republish: a message that is only stuck behind a backlog is not copied
+    again every window, while a lost one is still sent again.
 
     A single-attempt call whose Redis claim was taken long ago but which never reached the
     store's claim belongs to a worker that died between the two: no tool touched it, so it ends
@@ -54,6 +61,9 @@ def republish_stranded(rt: Runtime, now: float | None = None) -> int:
     window = rt.settings.republish_after_seconds
     acted = 0
     for call in rt.store.stranded_queued(now - window):
+        backoff = window * (2 ** min(call.republishes, MAX_REPUBLISH_DOUBLINGS))
+        if call.published_at is not None and now - call.published_at < backoff:
+            continue
         if call.expires_at is not None and now > call.expires_at:
             acted += _did_not_run(rt.store, call, "it expired in the queue before a worker "
                                   "started it")
@@ -73,7 +83,7 @@ def republish_stranded(rt: Runtime, now: float | None = None) -> int:
             log.warning("republish failed", extra={"action": "republish_failed",
                                                    "key": call.key})
             continue
-        rt.store.mark_published(call.key, now)
+        rt.store.mark_published(call.key, now, republished=True)
         log.info("stranded call republished", extra={"action": "republished", "key": call.key})
         acted += 1
     return acted

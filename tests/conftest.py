@@ -141,7 +141,7 @@ def start_worker(env: dict[str, str], tmp_path: Path) -> Iterator[StartWorker]:
 
     yield start
     for worker in started:
-        worker.stop()
+        worker.discard()
 
 
 @pytest.fixture

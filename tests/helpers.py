@@ -150,7 +150,22 @@ class WorkerProcess:
                 pass
         self.proc.wait(10)
 
+    def discard(self) -> None:
+        """SIGKILL the worker's whole process group: test teardown needs no warm shutdown."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+        for kid in self.children():
+            try:
+                os.kill(kid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def stop(self) -> None:
+        """Warm shutdown (SIGTERM), as an operator would stop a worker."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

@@ -117,6 +117,14 @@ def test_checks_report_each_broken_guarantee(case: str) -> None:
     assert expected in kinds, verdict.violations
 
 
+def test_checks_report_a_live_attempt_that_was_reaped() -> None:
+    # The system declared attempt 1 lost (its lease ran out), but nothing killed pid 200.
+    call = _call("k", "lookup_order", "read", "succeeded", attempts=2, max_attempts=3)
+    ledger = [_ran("k", attempt=1, pid=200), _ran("k", attempt=2, pid=201)]
+    verdict = check_run([call], ledger, [KILL], {}, lost=[("k", 1)])
+    assert [v.split(":", 1)[0] for v in verdict.violations] == ["lost_while_alive"]
+
+
 def test_checks_accept_a_run_where_every_guarantee_held() -> None:
     calls = [
         _call("a", "charge_card", "non_idempotent_write", "succeeded"),
@@ -136,6 +144,7 @@ def test_checks_accept_a_run_where_every_guarantee_held() -> None:
               _ran("c", attempt=2, pid=8), _ran("d", attempt=1), _ran("d", attempt=2),
               _ran("d", attempt=3), _ran("d", attempt=4), _ran("e", attempt=3, pid=100),
               _ran("h", pid=9)]
-    verdict = check_run(calls, ledger, [KILL], {"g": EXPIRE, "h": APPROVE})
+    verdict = check_run(calls, ledger, [KILL], {"g": EXPIRE, "h": APPROVE},
+                        lost=[("b", 1), ("c", 1), ("e", 3)])
     assert verdict.ok, verdict.violations
     assert verdict.figures["outcome_unknown"] == 2 and verdict.figures["did_not_run"] == 1
