@@ -63,7 +63,7 @@ def create_app(settings: DexSettings) -> Celery:
         # about 100 tries; publishing has its own short retry policy (see publish()).
         broker_connection_max_retries=None,
         # Survives Redis going away while messages are unacked (see DexConsumer).
-        worker_consumer="dex_tasks.execution:DexConsumer",
+        worker_consumer="dex_tasks.main_process:DexConsumer",
         broker_connection_timeout=settings.publish_timeout_seconds,
         broker_pool_limit=10,
         worker_hijack_root_logger=False,
@@ -73,7 +73,7 @@ def create_app(settings: DexSettings) -> Celery:
     )
     app.dex_settings = settings  # type: ignore[attr-defined]
 
-    from dex_tasks.execution import register_tasks
+    from dex_tasks.main_process import register_tasks
 
     register_tasks(app)
     return app

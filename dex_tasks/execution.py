@@ -1,4 +1,4 @@
-"""The two task kinds, and what the worker's main process does when a child is lost.
+"""The bodies of the two task kinds, and the decisions on lost attempts.
 
 Retrying path (``read``, ``idempotent_write``): acknowledged late; a lost child's message is
 requeued by Celery (``reject_on_worker_lost``). Celery puts no cap on that, so every claim
@@ -10,8 +10,9 @@ decides. Once a call is ``running`` it is never run again: a lost child or a har
 ends it ``outcome_unknown``.
 
 A child that is killed runs none of its own hooks, so the worker's main process handles the
-loss in :class:`DexRequest`. A whole worker that dies runs nothing at all; its leases stop being
-renewed and the reaper in ``sweeps.py`` finishes the job.
+loss (``main_process.DexRequest``, calling :func:`handle_lost_attempt`). A whole worker that
+dies runs nothing at all; its leases stop being renewed and the reaper in ``sweeps.py``
+finishes the job.
 """
 
 from __future__ import annotations
@@ -19,20 +20,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import redis
-from billiard.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
+from billiard.exceptions import SoftTimeLimitExceeded
 from celery import Celery, Task
-from celery.worker.consumer import Consumer
-from celery.worker.request import Request
 
 from dex_tasks import claims, retry
-from dex_tasks.celery_app import RUN_RETRYING, RUN_SINGLE_ATTEMPT, SWEEP, publish
+from dex_tasks.celery_app import publish
 from dex_tasks.errors import TransientToolError
 from dex_tasks.models import ToolCallRow
 from dex_tasks.policy import EffectClass
@@ -359,155 +356,3 @@ def run_single_attempt(task: Task, key: str) -> None:
 def _error_text(err: BaseException) -> str:
     text = str(err)
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
-
-
-# -- the worker's main process ------------------------------------------------------------------
-
-
-class DexRequest(Request):  # type: ignore[misc]
-    """Celery request that records lost attempts from the worker's main process.
-
-    ``on_failure`` here runs in the parent, also when the child was SIGKILLed
-    (``WorkerLostError``) or killed by the hard time limit (``TimeLimitExceeded``), which the
-    child itself can never report.
-    """
-
-    def on_failure(self, exc_info: Any, send_failed_event: bool = True,
-                   return_ok: bool = False) -> None:
-        exc = getattr(exc_info, "exception", None)
-        exc = getattr(exc, "exc", exc)
-        if isinstance(exc, TimeLimitExceeded):
-            self._kill_child()
-        if isinstance(exc, (WorkerLostError, TimeLimitExceeded, SystemExit)):
-            self._record_lost(exc)
-        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
-
-    def on_timeout(self, soft: bool, timeout: float) -> None:
-        if not soft:
-            self._kill_child()
-            self._record_lost(TimeLimitExceeded(timeout))
-        super().on_timeout(soft, timeout)
-
-    def _kill_child(self) -> None:
-        # Celery runs these hooks for a hard time limit *before* it terminates the child, so
-        # without this the tool would run on while its call is already recorded as ended and,
-        # on the retrying path, while its next attempt starts elsewhere. Kill it first.
-        if self.worker_pid:
-            try:
-                kill_child(self.worker_pid)
-            except Exception:
-                log.exception("could not kill a timed-out child",
-                              extra={"action": "kill_child_error", "pid": self.worker_pid})
-
-    def _record_lost(self, exc: BaseException) -> None:
-        try:
-            key = self.args[0]
-            owner = owner_id(self.hostname, self.worker_pid) if self.worker_pid else None
-            if owner is None:
-                # We cannot tell which child ran it; the lease reaper will decide safely.
-                return
-            if isinstance(exc, TimeLimitExceeded):
-                reason = f"the tool was killed by its hard time limit ({exc.args[0]}s)"
-            else:
-                reason = f"the worker process running the tool was lost ({exc})"
-            # Celery requeues a lost child's message itself on the retrying path; a hard time
-            # limit acks it, so that retry needs a new message.
-            republish = isinstance(exc, TimeLimitExceeded)
-            handle_lost_attempt(runtime(self.task.app), key, owner, reason, republish=republish)
-        except Exception:
-            log.exception("could not record a lost attempt", extra={"action": "lost_hook_error"})
-
-
-class DexConsumer(Consumer):  # type: ignore[misc]
-    """Celery's consumer, made to survive Redis going away while messages are unacked.
-
-    Seen with Celery/kombu 5.7 when Redis restarts while the worker holds an unacked message
-    (a late-acked call running, a prefetched one, a retry waiting out its countdown):
-
-    * tearing down the lost connection makes kombu hand the unacked messages back to Redis
-      after the transport was detached, which raises ``AttributeError``;
-    * after the reconnect, the ack of a call that ran across the restart goes to the old,
-      closed channel and raises the same error from the event loop.
-
-    Celery treats both as unrecoverable and shuts the worker down, so every Redis restart
-    during work would stop every busy worker. Here both are logged and the worker goes on.
-    Nothing is lost by that: a message that could not be acked or handed back stays in Redis's
-    unacked set and returns after the visibility timeout, where the store turns the duplicate
-    away, and a call still ``queued`` in the store is sent again by the republisher.
-    """
-
-    def on_connection_error_after_connected(self, exc: BaseException) -> None:
-        try:
-            super().on_connection_error_after_connected(exc)
-        except Exception as err:  # noqa: BLE001 - any clean-up error: reconnect regardless
-            self.connection = None
-            log.warning("closing the lost broker connection failed (%r); reconnecting anyway",
-                        err, extra={"action": "broker_cleanup_failed"})
-
-    def call_soon_ack(self, p: Any, *args: Any, **kwargs: Any) -> Any:
-        def ack_or_log(*a: Any, **kw: Any) -> Any:
-            try:
-                return p(*a, **kw)
-            except Exception as err:  # noqa: BLE001 - a lost ack must not stop the worker
-                log.warning("message could not be acked or rejected (%r); it returns after the "
-                            "visibility timeout", err, extra={"action": "ack_failed"})
-                return None
-
-        return super().call_soon_ack(ack_or_log, *args, **kwargs)
-
-
-def kill_child(pid: int, wait: float = 2.0) -> bool:
-    """SIGKILL this process's child ``pid`` and wait until it has stopped running.
-
-    Only a direct child is killed (a PID that was reaped and reused is left alone). Returns
-    True when the process is gone or a zombie. Without ``/proc`` it does not wait.
-    """
-    stat = Path(f"/proc/{pid}/stat")
-    if stat.parent.parent.exists():
-        fields = _proc_stat(stat)
-        if fields is None or int(fields[1]) != os.getpid():
-            return True
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return True
-    log.info("timed-out child killed", extra={"action": "child_killed", "pid": pid})
-    if not stat.parent.parent.exists():
-        return True
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        fields = _proc_stat(stat)
-        if fields is None or fields[0] in ("Z", "X", "x"):
-            return True
-        time.sleep(0.002)
-    return False
-
-
-def _proc_stat(stat: Path) -> list[str] | None:
-    """(state, ppid) of a process from ``/proc/<pid>/stat``, or None when it is gone."""
-    try:
-        text = stat.read_text()
-    except OSError:
-        return None
-    # The command name is in parentheses and may contain spaces: split after the last ")".
-    return text.rsplit(")", 1)[1].split()[:2]
-
-
-def register_tasks(app: Celery) -> None:
-    """Register the task kinds (and the sweep task) on ``app``."""
-
-    @app.task(name=RUN_RETRYING, bind=True, acks_late=True, reject_on_worker_lost=True,
-              ignore_result=True, Request=DexRequest)
-    def call_tool(self: Task, key: str) -> None:
-        run_retrying(self, key)
-
-    @app.task(name=RUN_SINGLE_ATTEMPT, bind=True, acks_late=False, ignore_result=True,
-              Request=DexRequest)
-    def call_single_attempt_tool(self: Task, key: str) -> None:
-        run_single_attempt(self, key)
-
-    @app.task(name=SWEEP, bind=True, acks_late=False, ignore_result=True)
-    def sweep(self: Task, job: str) -> Any:
-        from dex_tasks.sweeps import run_job
-
-        return run_job(runtime(self.app), job)
