@@ -34,6 +34,19 @@ def wait_until(predicate: Callable[[], T], timeout: float = 20.0, what: str = "c
         time.sleep(interval)
 
 
+def started_pid(ledger_path: Path, key: str, attempt: int = 1, timeout: float = 20.0) -> int:
+    """Wait until ``key``'s attempt has reached the tool; the PID of the child running it."""
+    from workers import ledger
+
+    def find() -> int | None:
+        for entry in ledger.read(ledger_path):
+            if entry["key"] == key and entry["attempt"] == attempt:
+                return int(entry["pid"])
+        return None
+
+    return wait_until(find, timeout, f"{key} attempt {attempt} to start")
+
+
 def free_port() -> int:
     """A TCP port nobody listens on right now."""
     with socket.socket() as sock:

@@ -29,23 +29,18 @@ from dex_tasks.execution import Runtime
 from dex_tasks.store import Store
 from dex_tasks.sweeps import JOBS, reap_expired_leases, republish_stranded, run_all, run_job
 from tests.conftest import StartWorker
-from tests.helpers import ROOT, WorkerProcess, dex_command, start_process, wait_until
+from tests.helpers import (
+    ROOT,
+    WorkerProcess,
+    dex_command,
+    start_process,
+    started_pid,
+    wait_until,
+)
 from workers import example_tools, ledger
 
 # The agent process knows the example tools locally (the catalog path is tested elsewhere).
 assert example_tools.lookup_order.name == "lookup_order"
-
-
-def _started(ledger_path: Path, key: str, attempt: int = 1) -> int:
-    """Wait until ``key``'s attempt has reached the tool; the PID of the child running it."""
-
-    def find() -> int | None:
-        for entry in ledger.read(ledger_path):
-            if entry["key"] == key and entry["attempt"] == attempt:
-                return int(entry["pid"])
-        return None
-
-    return wait_until(find, 20, f"{key} attempt {attempt} to start")
 
 
 def _finished_events(client: DexClient, key: str) -> list[tuple[str | None, str]]:
@@ -76,11 +71,11 @@ def test_whole_worker_loss_is_reaped_by_effect_class(
                                         tool="update_address",
                                         arguments={"order_id": "1001", "address": "2 Elm St",
                                                    "sleep": 30})
-    for pid in [_started(ledger_path, r.key, attempt=1) for r in (last_read, last_write)]:
+    for pid in [started_pid(ledger_path, r.key, attempt=1) for r in (last_read, last_write)]:
         os.kill(pid, signal.SIGKILL)
     for record in (last_read, last_write):
-        _started(ledger_path, record.key, attempt=2)
-    _started(ledger_path, charge.key)
+        started_pid(ledger_path, record.key, attempt=2)
+    started_pid(ledger_path, charge.key)
     # (While the worker lives, its main process renews the leases: a charge running for
     # longer than one lease is not reaped.)
     charge_at = next(e["at"] for e in ledger.read(ledger_path) if e["key"] == charge.key)
@@ -94,7 +89,7 @@ def test_whole_worker_loss_is_reaped_by_effect_class(
     # And a read (three attempts) on its first attempt
     read = client.call_tool(session_id="s1", turn_id="t1", tool_call_id="read",
                             tool="lookup_order", arguments={"order_id": "1002", "sleep": 1})
-    _started(ledger_path, read.key)
+    started_pid(ledger_path, read.key)
 
     # When the whole worker disappears, and the reaper runs once the leases have run out
     first.kill_all()
@@ -120,7 +115,7 @@ def test_whole_worker_loss_is_reaped_by_effect_class(
     final = client.wait(read.key, 20)
     assert final.status is CallStatus.SUCCEEDED and final.attempts == 2
     assert final.result == {"order_id": "1002", "status": "processing", "total_cents": 1250}
-    second_pid = _started(ledger_path, read.key, attempt=2)
+    second_pid = started_pid(ledger_path, read.key, attempt=2)
     assert second_pid in second.children()
 
     # And reaping again, twice at once and with no lock, changes nothing
@@ -274,7 +269,7 @@ def test_beat_reaps_a_lost_worker_with_only_beat_and_another_worker_running(
                                   tool="charge_card",
                                   arguments={"customer_id": "cu_1", "amount_cents": 10,
                                              "sleep": 30})
-        pid = _started(ledger_path, charge.key)
+        pid = started_pid(ledger_path, charge.key)
         busy: WorkerProcess = next(w for w in workers if pid in w.children())
         survivor = next(w for w in workers if w is not busy)
 

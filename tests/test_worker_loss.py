@@ -8,20 +8,8 @@ from pathlib import Path
 
 from dex_tasks import OUTCOME_UNKNOWN_TOOL_RESULT, CallStatus, DexClient
 from tests.conftest import StartWorker
-from tests.helpers import pid_alive, wait_until
+from tests.helpers import pid_alive, started_pid, wait_until
 from workers import ledger
-
-
-def _running_pid(ledger_path: Path, key: str, attempt: int = 1) -> int:
-    """The PID of the child that started ``key``'s attempt, once the ledger shows it."""
-
-    def find() -> int | None:
-        for entry in ledger.read(ledger_path):
-            if entry["key"] == key and entry["attempt"] == attempt:
-                return int(entry["pid"])
-        return None
-
-    return wait_until(find, 20, f"{key} attempt {attempt} to start")
 
 
 def test_killed_child_mid_charge_ends_outcome_unknown_and_never_reruns(
@@ -32,7 +20,7 @@ def test_killed_child_mid_charge_ends_outcome_unknown_and_never_reruns(
     record = client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1",
                               tool="charge_card",
                               arguments={"customer_id": "cu_1", "amount_cents": 500, "sleep": 30})
-    pid = _running_pid(ledger_path, record.key)
+    pid = started_pid(ledger_path, record.key)
     assert pid in worker.children()
 
     # When the child is SIGKILLed mid-run
@@ -63,7 +51,7 @@ def test_killed_child_on_retrying_path_is_redelivered_and_succeeds(
                               tool="update_address",
                               arguments={"order_id": "1001", "address": "1 Main St",
                                          "sleep": 2})
-    os.kill(_running_pid(ledger_path, record.key, attempt=1), signal.SIGKILL)
+    os.kill(started_pid(ledger_path, record.key, attempt=1), signal.SIGKILL)
     final = client.wait(record.key, timeout=30)
     assert final.status is CallStatus.SUCCEEDED
     assert final.attempts == 2
@@ -78,7 +66,7 @@ def test_redelivery_after_worker_loss_is_bounded_by_max_attempts(
     record = client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1",
                               tool="lookup_order", arguments={"order_id": "1001", "sleep": 30})
     for attempt in (1, 2, 3):
-        pid = _running_pid(ledger_path, record.key, attempt)
+        pid = started_pid(ledger_path, record.key, attempt)
         os.kill(pid, signal.SIGKILL)
         wait_until(lambda p=pid: not pid_alive(p), 10, "the child to die")
     # Then the read ends failed after exactly max_attempts executions, not run a fourth time
