@@ -11,6 +11,7 @@ least-squares line through the samples is reported, which one allocator step mov
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import uuid
 from pathlib import Path
@@ -98,6 +99,7 @@ def run_memory(
                 worker.stop()
     finally:
         redis_server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
 
     before, after = samples[0][1], samples[-1][1]
     measured = samples[-1][0] - samples[0][0]

@@ -16,6 +16,7 @@ Two parts:
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -168,7 +169,10 @@ def _work(body: Callable[[Any, str], None], task: StubTask, keys: list[str]) -> 
 
 def _wait(client: DexClient, keys: list[str]) -> None:
     for key in keys:
-        client.wait(key, timeout=5)
+        try:
+            client.wait(key, timeout=5)
+        except TimeoutError as err:
+            raise BenchError(f"the task body left a call unfinished: {err}") from err
 
 
 def in_process(redis_server: RedisServer, stores: list[str], postgres_url: str | None,
@@ -192,7 +196,7 @@ def in_process(redis_server: RedisServer, stores: list[str], postgres_url: str |
             for path, tool in TOOLS.items():
                 keys[path] = []
                 phases.append(measure.run(kind, path, "call_tool (catalog)", calls, partial(
-                    _send, client, f"rt-{path}", tool, calls, keys[path])))
+                    _send, client, f"rt-{kind}-{path}", tool, calls, keys[path])))
             setups.append((kind, client, measure, keys))
 
         __import__(TOOLS_MODULE)  # now the worker side can find the tools
@@ -209,8 +213,8 @@ def in_process(redis_server: RedisServer, stores: list[str], postgres_url: str |
                 phases.append(measure.run(kind, path, "wait (already terminal)", calls, partial(
                     _wait, client, keys[path])))
                 phases.append(measure.run(kind, path, "call_tool (tool imported)", calls,
-                                          partial(_send, client, f"rt-local-{path}", tool,
-                                                  calls, [])))
+                                          partial(_send, client, f"rt-local-{kind}-{path}",
+                                                  tool, calls, [])))
             worker_counter.remove()
             rt.store.close()
             rt.redis.close()
@@ -265,6 +269,7 @@ def run_roundtrips(
                                            workdir)
     finally:
         redis_server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
     rows = [p.per_call() for p in phases]
     print_roundtrips(console, rows, calls)
     payload = {"config": {"calls": calls, "stores": stores, "end_to_end": end_to_end},

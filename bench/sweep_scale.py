@@ -21,6 +21,7 @@ SQLite gets no statistics, as a deployment would not either.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -303,6 +304,7 @@ def run_sweeps(
                             store.close()
     finally:
         redis_server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
 
     rows = [t.summary() for t in timings]
     growth = growth_rows(timings)

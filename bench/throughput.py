@@ -28,6 +28,7 @@ made one at a time after each variant's burst (the latency of a call with no que
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -389,6 +390,7 @@ def run_throughput(
                         bench.stop()
     finally:
         redis_server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
         machine["loadavg_after"] = list(os.getloadavg())
 
     rows = aggregate(results)

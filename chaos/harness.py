@@ -214,7 +214,7 @@ class Harness:
             handler.close()
         report = self._verdict()
         try:
-            self.store.dispose()
+            self.store.close()
             self._drop_database()
         finally:
             if not self.config.keep and report.ok:

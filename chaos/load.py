@@ -145,7 +145,7 @@ class Driver:
                 except Exception:
                     log.warning("in-flight count failed", exc_info=True)
         finally:
-            store.dispose()
+            store.close()
 
     def _submit(self, specs: Iterator[CallSpec], started: float, spacing: float,
                 cap: int) -> None:

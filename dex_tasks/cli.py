@@ -67,7 +67,7 @@ def worker(
     store = Store(settings.database_url)
     store.create_all()
     count = catalog.publish(store, local_tools().values())
-    store.dispose()
+    store.close()
     logging.getLogger("dex_tasks").info("catalog published", extra={"action": "catalog_published",
                                                                      "tools": count})
     celery = create_app(settings)

@@ -12,7 +12,8 @@ from celery import Celery
 
 from dex_tasks import approvals, catalog
 from dex_tasks.celery_app import create_app, publish
-from dex_tasks.errors import CallNotFoundError, ConflictError, DexError
+from dex_tasks.errors import CallNotFoundError, ConflictError, DexError, UnknownToolError
+from dex_tasks.models import ToolCallRow
 from dex_tasks.policy import EffectClass, ToolPolicy, resolve_policy, seconds
 from dex_tasks.records import AgentSnapshot, CallEvent, ToolCallRecord
 from dex_tasks.registry import InvalidArguments, canonical_json
@@ -45,6 +46,7 @@ class DexClient:
         if create_tables:
             self.store.create_all()
         self._app: Celery | None = None
+        self._catalog_cache: dict[str, tuple[float, catalog.ToolInfo]] = {}
 
     @classmethod
     def from_env(cls) -> DexClient:
@@ -62,11 +64,7 @@ class DexClient:
         """Release broker and database connections."""
         if self._app is not None:
             self._app.close()
-        # Close the pooled connections: Store.dispose() only forgets them (that is for forked
-        # children), which leaks open PostgreSQL connections until garbage collection.
-        self.store.engine.dispose()
-        if self.store.read_engine is not self.store.engine:
-            self.store.read_engine.dispose()
+        self.store.close()
 
     def __enter__(self) -> DexClient:
         return self
@@ -105,11 +103,14 @@ class DexClient:
                 f"arguments must be a JSON object, got {type(arguments).__name__}"
             )
         args_json = canonical_json(dict(arguments))
-        existing = self.store.get_call(key)
-        if existing is not None:
+        try:
+            info = self._lookup(tool)
+        except UnknownToolError:
+            # The tool may be gone since the call was made: a repeat still gets its record.
+            existing = self.store.get_call(key)
+            if existing is None:
+                raise
             return self._same_call(existing, tool, args_json)
-
-        info = catalog.lookup(self.store, tool)
         policy = resolve_policy(info.policy, info.hints, default_effect)
         invalid: str | None = None
         if info.local is not None:
@@ -123,8 +124,9 @@ class DexClient:
             expires_in=seconds(expires_in, "expires_in"),
             hold=policy.needs_approval and invalid is None,
         )
+        # Insert first, read only on conflict: a new call costs one write transaction, and a
+        # repeated key is told apart by the primary key, not by a read that could race.
         if not self.store.insert_call(row, interrupt):
-            # Another process inserted the same key first: theirs is the call.
             existing = self.store.get_call(key)
             assert existing is not None
             return self._same_call(existing, tool, args_json)
@@ -133,9 +135,33 @@ class DexClient:
             self.store.transition(key, CallStatus.FAILED, allowed={CallStatus.QUEUED},
                                   values={"error": f"{TOOL_DID_NOT_RUN}: {invalid}"},
                                   detail={"reason": "invalid_arguments"})
-        elif row["status"] == CallStatus.QUEUED.value:
-            self._publish_new(key)
-        return self.get_tool_call(key)
+            return self.get_tool_call(key)
+        call = ToolCallRow(**row)
+        if row["status"] == CallStatus.QUEUED.value and not self._publish_new(call):
+            return self.get_tool_call(key)
+        # The record as inserted: a worker may already have moved it on, which the next read
+        # (get_tool_call, wait) shows.
+        return ToolCallRecord.from_row(call)
+
+    def refresh_catalog(self) -> None:
+        """Forget cached catalog entries: the next call of each tool reads the catalog."""
+        self._catalog_cache.clear()
+
+    def _lookup(self, tool: str) -> catalog.ToolInfo:
+        """The tool's catalog entry, cached for ``catalog_cache_seconds``.
+
+        Workers publish the catalog when they start, so a policy change reaches callers
+        within that many seconds; each call still stores the policy it was made under.
+        """
+        ttl = self.settings.catalog_cache_seconds
+        cached = self._catalog_cache.get(tool)
+        now = time.monotonic()
+        if cached is not None and now - cached[0] < ttl:
+            return cached[1]
+        info = catalog.lookup(self.store, tool)
+        if info.local is None and ttl > 0:
+            self._catalog_cache[tool] = (now, info)
+        return info
 
     def _new_row(
         self, key: str, session_id: str, turn_id: str, tool_call_id: str, tool: str,
@@ -177,20 +203,21 @@ class DexClient:
         }
         return row, interrupt
 
-    def _publish_new(self, key: str) -> None:
-        call = self.store.get_call(key)
-        assert call is not None
+    def _publish_new(self, call: ToolCallRow) -> bool:
+        """Publish a new call; on failure end it "did not run" and return False."""
         try:
             publish(self.app, call)
+            return True
         except Exception as err:  # noqa: BLE001 - any publish failure means no worker got it
             # If the message did get through after all, the worker's claim and this
             # compare-and-set race: exactly one wins, and the record says which.
             self.store.transition(
-                key, CallStatus.FAILED, allowed={CallStatus.QUEUED},
+                call.key, CallStatus.FAILED, allowed={CallStatus.QUEUED},
                 values={"error": f"{TOOL_DID_NOT_RUN}: the broker could not be reached "
                                  f"({type(err).__name__}: {err})"},
                 detail={"reason": "broker_unreachable"},
             )
+            return False
 
     @staticmethod
     def _same_call(existing: Any, tool: str, args_json: str) -> ToolCallRecord:

@@ -36,7 +36,7 @@ from dex_tasks.policy import EffectClass
 from dex_tasks.registry import InvalidArguments, ToolContext, get_local_tool
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
-from dex_tasks.store import CALLS, Store
+from dex_tasks.store import INHERITED, Store
 
 log = logging.getLogger("dex_tasks.execution")
 
@@ -69,8 +69,14 @@ def runtime(app: Celery) -> Runtime:
 
 
 def reset_runtime() -> None:
-    """Forget this process's connections (a forked child must not share its parent's)."""
+    """Start over with connections of this process's own (in a forked child).
+
+    The inherited runtime is kept referenced, not closed: closing its connections here would
+    close the parent's (see ``store.INHERITED``).
+    """
     global _runtime
+    if _runtime is not None:
+        INHERITED.append(_runtime)
     _runtime = None
 
 
@@ -112,7 +118,7 @@ def _did_not_run(store: Store, call: ToolCallRow, why: str) -> bool:
         call.key,
         to,
         allowed={CallStatus.QUEUED},
-        where=[CALLS.c.attempts == call.attempts],
+        match={"attempts": call.attempts},
         values={"error": error},
         detail={"reason": reason, "why": why},
     )
@@ -135,14 +141,14 @@ def handle_lost_attempt(
         return None
     effect = EffectClass(call.effect)
     decision = retry.after_worker_lost(effect, call.attempts, call.max_attempts, reason)
-    guard = [CALLS.c.worker == call.worker, CALLS.c.attempts == call.attempts]
+    guard = {"worker": call.worker, "attempts": call.attempts}
     if decision.retry:
         now = time.time()
         if not rt.store.transition(
             key,
             CallStatus.QUEUED,
             allowed={CallStatus.RUNNING},
-            where=guard,
+            match=guard,
             values={"worker": None, "lease_expires_at": None, "published_at": now},
             detail={"reason": "attempt_lost", "attempt": call.attempts, "why": reason},
         ):
@@ -159,7 +165,7 @@ def handle_lost_attempt(
         key,
         decision.status,
         allowed={CallStatus.RUNNING},
-        where=guard,
+        match=guard,
         values={"error": decision.error},
         detail={"reason": "attempt_lost", "attempt": call.attempts, "why": reason},
     ):
@@ -178,7 +184,7 @@ def _exhausted_before_claim(rt: Runtime, call: ToolCallRow) -> None:
     assert decision.status is not None
     rt.store.transition(
         call.key, decision.status, allowed={CallStatus.QUEUED},
-        where=[CALLS.c.attempts == call.attempts],
+        match={"attempts": call.attempts},
         values={"error": decision.error}, detail={"reason": "attempts_exhausted"},
     )
 
@@ -220,7 +226,7 @@ def _claim(rt: Runtime, call: ToolCallRow, owner: str) -> int | None:
         call.key,
         CallStatus.RUNNING,
         allowed={CallStatus.QUEUED},
-        where=[CALLS.c.attempts == call.attempts],
+        match={"attempts": call.attempts},
         values={
             "attempts": attempt,
             "worker": owner,
@@ -235,7 +241,7 @@ def _claim(rt: Runtime, call: ToolCallRow, owner: str) -> int | None:
 def _finish(rt: Runtime, key: str, owner: str, to: CallStatus, **values: Any) -> bool:
     reason = values.pop("reason", None)
     return rt.store.transition(
-        key, to, allowed={CallStatus.RUNNING}, where=[CALLS.c.worker == owner],
+        key, to, allowed={CallStatus.RUNNING}, match={"worker": owner},
         values=values, detail={"reason": reason} if reason else None,
     )
 
@@ -313,7 +319,7 @@ def _schedule_retry(
     due = time.time() + delay
     if not rt.store.transition(
         call.key, CallStatus.QUEUED, allowed={CallStatus.RUNNING},
-        where=[CALLS.c.worker == owner],
+        match={"worker": owner},
         values={"worker": None, "lease_expires_at": None, "published_at": due},
         detail={"reason": "transient_error", "attempt": attempt, "retry_in": round(delay, 3),
                 "error": message},

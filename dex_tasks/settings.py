@@ -50,6 +50,10 @@ class DexSettings(BaseSettings):
         default=10.0, gt=0,
         description="How often beat runs the sweeps.",
     )
+    catalog_cache_seconds: float = Field(
+        default=5.0, ge=0,
+        description="How long call_tool caches a tool's catalog entry (0: never).",
+    )
     default_max_attempts: int = Field(
         default=3, ge=1,
         description="Attempts of a retrying call when its policy sets none.",

@@ -7,6 +7,7 @@ caller won, and it writes the event row in the same transaction.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -17,9 +18,8 @@ from typing import Any
 
 from sqlalchemy import Engine, bindparam, event, exists, func, insert, literal, select, update
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
-from sqlalchemy.pool import NullPool
-from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError, SQLAlchemyError
+from sqlalchemy.sql.elements import ClauseElement, ColumnElement
 from sqlmodel import SQLModel, create_engine
 
 from dex_tasks.errors import IllegalTransitionError, StoreUnavailableError
@@ -44,9 +44,40 @@ def event_name(to: CallStatus) -> str:
     }[to]
 
 
+# Database connections a forked child inherited from its parent. The child never uses them
+# (see _guard_fork) and never closes them either: closing would end the parent's PostgreSQL
+# session (libpq sends Terminate on the shared socket) or disturb its SQLite locks. Kept
+# referenced here so garbage collection does not close them.
+INHERITED: list[Any] = []
+
+
+def _guard_fork(engine: Engine) -> None:
+    """Make pooled connections per process: a child replaces what it inherited, untouched.
+
+    The recipe of SQLAlchemy's "Using Connection Pools with Multiprocessing or os.fork()",
+    with the inherited connection kept open instead of closed.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _remember_pid(_dbapi_conn: Any, record: Any) -> None:
+        record.info["pid"] = os.getpid()
+
+    @event.listens_for(engine, "checkout")
+    def _check_pid(dbapi_conn: Any, record: Any, proxy: Any) -> None:
+        if record.info.get("pid") != os.getpid():
+            INHERITED.append(dbapi_conn)
+            record.dbapi_connection = proxy.dbapi_connection = None
+            raise DisconnectionError("connection inherited across fork; opening a new one")
+
+
 def _sqlite_engine(url: str, *, immediate: bool) -> Engine:
-    # NullPool: a pooled SQLite connection must not cross a fork, and opening one is cheap.
-    engine = create_engine(url, poolclass=NullPool, connect_args={"timeout": 30})
+    # Pooled: opening a SQLite connection and setting its pragmas costs about a millisecond,
+    # as much as the transaction itself. _guard_fork keeps pooled connections per process.
+    engine = create_engine(
+        url, pool_size=5, max_overflow=20,
+        connect_args={"timeout": 30, "check_same_thread": False},
+    )
+    _guard_fork(engine)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
@@ -125,6 +156,33 @@ _DELIVERY_LOCK = select(func.pg_advisory_xact_lock(
     literal(_DELIVERY_LOCK_SPACE), func.hashtext(bindparam("lock_session"))))
 
 
+# Statements on the hot path, built once: building one with .values(...) costs about half a
+# millisecond of Python per call, as much as SQLite takes to run it. Values are bound.
+_INSERT_CALL = insert(CALLS)
+_INSERT_INTERRUPT = insert(INTERRUPTS)
+_INSERT_EVENT = insert(EVENTS)
+_GET_CALL = select(CALLS).where(CALLS.c.key == bindparam("get_key"))
+
+
+@functools.lru_cache(maxsize=256)
+def _transition_statement(
+    to: CallStatus, sources: frozenset[CallStatus], match: tuple[str, ...],
+    fields: tuple[str, ...],
+) -> Any:
+    """The guarded UPDATE of one transition shape, with every value a bound parameter."""
+    return (
+        update(CALLS)
+        .where(CALLS.c.key == bindparam("t_key"),
+               CALLS.c.status.in_(sorted(s.value for s in sources)),
+               *(CALLS.c[k] == bindparam(f"m_{k}") for k in match))
+        # SET evaluates right-hand sides against the old row, so prev_status keeps the status
+        # we moved from, for the event row.
+        .values(prev_status=CALLS.c.status, status=to.value,
+                **{k: bindparam(f"v_{k}") for k in fields})
+        .returning(CALLS.c.session_id, CALLS.c.prev_status)
+    )
+
+
 class _ForkGuard:
     """Keeps ``os.fork()`` from happening while another thread has a SQLite transaction open.
 
@@ -181,7 +239,7 @@ _FORK_GUARD = _ForkGuard()
 
 
 class Store:
-    """Access to the SQL store. One per process; re-create (or ``dispose``) after a fork."""
+    """Access to the SQL store. Safe across fork: a child opens connections of its own."""
 
     def __init__(self, database_url: str) -> None:
         self.url = database_url
@@ -193,6 +251,7 @@ class Store:
             self.engine = create_engine(
                 database_url, pool_pre_ping=True, pool_size=5, max_overflow=10
             )
+            _guard_fork(self.engine)
             self.read_engine = self.engine
 
     def create_all(self) -> None:
@@ -208,12 +267,6 @@ class Store:
         self.engine.dispose()
         if self.read_engine is not self.engine:
             self.read_engine.dispose()
-
-    def dispose(self) -> None:
-        """Drop pooled connections (call in a forked child before first use)."""
-        self.engine.dispose(close=False)
-        if self.read_engine is not self.engine:
-            self.read_engine.dispose(close=False)
 
     @contextmanager
     def _errors(self) -> Iterator[None]:
@@ -255,6 +308,7 @@ class Store:
         *,
         allowed: Iterable[CallStatus] | None = None,
         where: Sequence[ColumnElement[bool]] = (),
+        match: Mapping[str, Any] | None = None,
         values: Mapping[str, Any] | None = None,
         detail: Mapping[str, Any] | None = None,
         now: float | None = None,
@@ -263,8 +317,9 @@ class Store:
         """Move call ``key`` to ``to`` if its status is one of ``allowed``; True if this won.
 
         ``allowed`` defaults to every legal predecessor and must be a subset of them.
-        ``where`` adds guards (the owning worker, an attempt count); ``values`` sets other
-        columns in the same statement. The event row is written in the same transaction.
+        ``match`` adds equality guards on columns (the owning worker, an attempt count) and
+        ``where`` any other guard; ``values`` sets other columns in the same statement. The
+        event row is written in the same transaction.
         """
         legal = ALLOWED_FROM[to]
         sources = frozenset(legal if allowed is None else allowed)
@@ -278,42 +333,50 @@ class Store:
         if to.terminal:
             fields.setdefault("finished_at", now)
             fields.setdefault("lease_expires_at", None)
-        stmt = (
-            update(CALLS)
-            .where(CALLS.c.key == key, CALLS.c.status.in_([s.value for s in sources]), *where)
-            # SET evaluates right-hand sides against the old row, so prev_status keeps the
-            # status we moved from, for the event row.
-            .values(prev_status=CALLS.c.status, status=to.value, **fields)
-            .returning(CALLS.c.session_id, CALLS.c.prev_status)
-        )
+        match = dict(match or {})
+        params: dict[str, Any] | None = None
+        if not where and not any(isinstance(v, ClauseElement) for v in fields.values()):
+            # The common shape (plain values, equality guards): a statement built once per
+            # shape and bound here costs a fraction of building one per call.
+            stmt = _transition_statement(to, sources, tuple(sorted(match)), tuple(sorted(fields)))
+            params = {"t_key": key, **{f"m_{k}": v for k, v in match.items()},
+                      **{f"v_{k}": v for k, v in fields.items()}}
+        else:
+            guards = [*where, *(CALLS.c[k] == v for k, v in match.items())]
+            stmt = (
+                update(CALLS)
+                .where(CALLS.c.key == key, CALLS.c.status.in_([s.value for s in sources]),
+                       *guards)
+                .values(prev_status=CALLS.c.status, status=to.value, **fields)
+                .returning(CALLS.c.session_id, CALLS.c.prev_status)
+            )
         if conn is not None:
-            return self._transition_in(conn, stmt, key, to, detail, now)
+            return self._transition_in(conn, stmt, params, key, to, detail, now)
         with self.write() as tx:
-            return self._transition_in(tx, stmt, key, to, detail, now)
+            return self._transition_in(tx, stmt, params, key, to, detail, now)
 
     @staticmethod
     def _transition_in(
         conn: Connection,
         stmt: Any,
+        params: dict[str, Any] | None,
         key: str,
         to: CallStatus,
         detail: Mapping[str, Any] | None,
         now: float,
     ) -> bool:
-        row = conn.execute(stmt).first()
+        row = (conn.execute(stmt, params) if params is not None else conn.execute(stmt)).first()
         if row is None:
             return False
-        conn.execute(
-            insert(EVENTS).values(
-                session_id=row.session_id,
-                key=key,
-                event=event_name(to),
-                from_status=row.prev_status,
-                to_status=to.value,
-                detail=json.dumps(dict(detail), default=str) if detail else None,
-                created_at=now,
-            )
-        )
+        conn.execute(_INSERT_EVENT, {
+            "session_id": row.session_id,
+            "key": key,
+            "event": event_name(to),
+            "from_status": row.prev_status,
+            "to_status": to.value,
+            "detail": json.dumps(dict(detail), default=str) if detail else None,
+            "created_at": now,
+        })
         if to.terminal:
             # A turn may have just ended: deliver its queued user messages in this same
             # transaction, so no code path that ends a call can forget them.
@@ -328,20 +391,18 @@ class Store:
         """Insert a new call (and its interrupt) with its first event; False if the key exists."""
         try:
             with self.write() as conn:
-                conn.execute(insert(CALLS).values(**row))
+                conn.execute(_INSERT_CALL, dict(row))
                 if interrupt is not None:
-                    conn.execute(insert(INTERRUPTS).values(**interrupt))
-                conn.execute(
-                    insert(EVENTS).values(
-                        session_id=row["session_id"],
-                        key=row["key"],
-                        event="tool_call_requested",
-                        from_status=None,
-                        to_status=row["status"],
-                        detail=None,
-                        created_at=row["created_at"],
-                    )
-                )
+                    conn.execute(_INSERT_INTERRUPT, dict(interrupt))
+                conn.execute(_INSERT_EVENT, {
+                    "session_id": row["session_id"],
+                    "key": row["key"],
+                    "event": "tool_call_requested",
+                    "from_status": None,
+                    "to_status": row["status"],
+                    "detail": None,
+                    "created_at": row["created_at"],
+                })
         except IntegrityError:
             return False
         return True
@@ -349,7 +410,7 @@ class Store:
     def get_call(self, key: str) -> ToolCallRow | None:
         """The stored call, or None."""
         with self.read() as conn:
-            row = conn.execute(select(CALLS).where(CALLS.c.key == key)).mappings().first()
+            row = conn.execute(_GET_CALL, {"get_key": key}).mappings().first()
         return ToolCallRow.model_validate(dict(row)) if row else None
 
     def calls_for_session(self, session_id: str) -> list[ToolCallRow]:

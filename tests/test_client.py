@@ -143,6 +143,8 @@ def test_policy_comes_from_the_catalog_hints_or_the_session_default(
 
     catalog_mod.publish(client.store, [set_value_v2])
     del registry._REGISTRY["client_test_set"]
+    # (the client caches catalog entries for catalog_cache_seconds; skip the wait)
+    client.refresh_catalog()
     assert client.get_tool_call(explicit.key).effect is EffectClass.IDEMPOTENT_WRITE
     later = call("c5", "client_test_set", arguments={"value": 3})
     assert later.effect is EffectClass.NON_IDEMPOTENT_WRITE
