@@ -27,9 +27,15 @@ RUN_SINGLE_ATTEMPT = "dex.call_single_attempt_tool"
 SWEEP = "dex.sweep"
 
 
-def create_app(settings: DexSettings) -> Celery:
-    """A Celery app configured for dex-tasks, with the task kinds registered."""
+def create_app(settings: DexSettings, *, publisher: bool = False) -> Celery:
+    """A Celery app configured for dex-tasks, with the task kinds registered.
+
+    ``publisher`` is for apps that only send calls (``DexClient``): on a ``redis://`` broker
+    they use a transport that reuses its Redis client per channel (see ``transport.py``).
+    """
     app = Celery("dex_tasks", broker=settings.redis_url, set_as_current=False)
+    if publisher and settings.redis_url.startswith("redis://"):
+        app.conf.broker_transport = "dex_tasks.transport:Transport"
     transport = {
         "visibility_timeout": settings.visibility_timeout_seconds,
         "socket_connect_timeout": settings.publish_timeout_seconds,

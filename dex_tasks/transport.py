@@ -1,0 +1,36 @@
+"""A Redis transport for publishing that reuses one Redis client per channel.
+
+kombu's Redis channel builds a new ``redis.Redis`` client object for every message it
+publishes (``Channel.conn_or_acquire``); the client shares the channel's connection pool, so
+nothing is gained by rebuilding it, and the build is about a fifth of ``call_tool``'s time.
+Used only for ``redis://`` brokers by the apps that publish calls (see ``create_app``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from kombu.transport import redis as kombu_redis
+
+
+class Channel(kombu_redis.Channel):  # type: ignore[misc]
+    """A Redis channel whose synchronous commands share one client object."""
+
+    _dex_client: Any = None
+
+    @contextmanager
+    def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
+        if client:
+            yield client
+            return
+        if self._dex_client is None:
+            self._dex_client = self._create_client()  # type: ignore[no-untyped-call]
+        yield self._dex_client
+
+
+class Transport(kombu_redis.Transport):  # type: ignore[misc]
+    """kombu's Redis transport with :class:`Channel`."""
+
+    Channel = Channel
