@@ -13,11 +13,8 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -30,6 +27,9 @@ from typing import Any, TypeVar
 import redis
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
+
+from dex_tasks.procutil import children_of, free_port, wait_until
+from dex_tasks.procutil import redis_pings as _pings
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -52,21 +52,7 @@ class BenchError(RuntimeError):
 def wait_for(predicate: Callable[[], T], timeout: float, what: str,
              interval: float = 0.05) -> T:
     """Poll ``predicate`` until it returns something truthy; BenchError after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise BenchError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return wait_until(predicate, timeout, what, interval, error=BenchError)
 
 
 # -- Redis --------------------------------------------------------------------------------------
@@ -122,13 +108,6 @@ class RedisServer:
             self.proc.wait(10)
         self.proc = None
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
 
 
 # -- stores -------------------------------------------------------------------------------------
@@ -189,12 +168,6 @@ def postgres_version(url: str | None) -> str | None:
 
 
 # -- worker processes ---------------------------------------------------------------------------
-
-
-def dex_command() -> list[str]:
-    """The ``dex-tasks`` console script of this environment."""
-    script = Path(sys.executable).parent / "dex-tasks"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "dex_tasks.cli"]
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:
@@ -267,20 +240,6 @@ class WorkerProcess:
             pass
         if self.proc.poll() is None:
             self.proc.wait(10)
-
-
-def children_of(pid: int) -> list[int]:
-    """Direct child PIDs of ``pid`` (Linux ``/proc``)."""
-    result: list[int] = []
-    task_dir = Path(f"/proc/{pid}/task")
-    if not task_dir.exists():
-        return result
-    for task in task_dir.iterdir():
-        try:
-            result += [int(x) for x in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return result
 
 
 def rss_bytes(pid: int) -> int:

@@ -29,7 +29,6 @@ from bench.infra import (
     RedisServer,
     WorkerProcess,
     child_env,
-    dex_command,
     fresh_store,
     machine_info,
     rss_bytes,
@@ -39,6 +38,7 @@ from bench.infra import (
 from bench.targets import check, print_targets
 from bench.throughput import session_for
 from dex_tasks import CallStatus, DexClient, DexSettings
+from dex_tasks.procutil import dex_command
 
 MB = 1024 * 1024
 PER = 100_000

@@ -54,7 +54,6 @@ from bench.infra import (
     RedisServer,
     WorkerProcess,
     child_env,
-    dex_command,
     fresh_store,
     machine_info,
     median,
@@ -64,6 +63,7 @@ from bench.infra import (
 )
 from bench.targets import check, print_targets
 from dex_tasks import CallStatus, DexClient, DexSettings
+from dex_tasks.procutil import dex_command
 from dex_tasks.store import CALLS, EVENTS
 
 VARIANTS = ("raw", "read", "single")

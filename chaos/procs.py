@@ -10,46 +10,21 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import redis
 
+from dex_tasks.procutil import children_of, dex_command, free_port, wait_until
+from dex_tasks.procutil import redis_pings as _pings
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
     """Poll ``predicate`` until it is true; ``TimeoutError`` naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
-
-def children_of(pid: int) -> list[int]:
-    """Direct child PIDs of ``pid`` (Linux ``/proc``)."""
-    result: list[int] = []
-    task_dir = Path(f"/proc/{pid}/task")
-    if not task_dir.exists():
-        return result
-    for task in task_dir.iterdir():
-        try:
-            result += [int(x) for x in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return result
+    wait_until(predicate, timeout, what, 0.05, error=TimeoutError)
 
 
 def signal_quietly(pid: int, sig: int) -> bool:
@@ -104,19 +79,6 @@ class RedisProcess:
             self.proc.kill()
             self.proc.wait(10)
         self.proc = None
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-
-
-def dex_command() -> list[str]:
-    """How to run this environment's ``dex-tasks`` console script."""
-    script = Path(sys.executable).parent / "dex-tasks"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "dex_tasks.cli"]
 
 
 class DexProcess:

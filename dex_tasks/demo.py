@@ -33,8 +33,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from dex_tasks.client import DexClient
-from dex_tasks.embedded import EmbeddedRedis, Stack, StackError, free_port, http_get, http_post
+from dex_tasks.embedded import EmbeddedRedis, Stack, StackError, http_get, http_post
 from dex_tasks.logs import redact
+from dex_tasks.procutil import free_port
 from dex_tasks.records import ToolCallRecord
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import OUTCOME_UNKNOWN_TOOL_RESULT, CallStatus

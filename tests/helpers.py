@@ -5,33 +5,24 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
 import redis
 
+# Re-exported for the tests, which import them from here.
+from dex_tasks.procutil import children_of as children_of
+from dex_tasks.procutil import dex_command as dex_command
+from dex_tasks.procutil import free_port as free_port
+from dex_tasks.procutil import pid_alive as pid_alive
+from dex_tasks.procutil import redis_pings as _pings
+from dex_tasks.procutil import wait_until as wait_until
+
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
-
-
-def wait_until(predicate: Callable[[], T], timeout: float = 20.0, what: str = "condition",
-               interval: float = 0.02) -> T:
-    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def started_pid(ledger_path: Path, key: str, attempt: int = 1, timeout: float = 20.0) -> int:
@@ -45,13 +36,6 @@ def started_pid(ledger_path: Path, key: str, attempt: int = 1, timeout: float = 
         return None
 
     return wait_until(find, timeout, f"{key} attempt {attempt} to start")
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -90,36 +74,6 @@ class RedisServer:
     def cleanup(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-
-
-def children_of(pid: int) -> list[int]:
-    """Direct child PIDs of ``pid`` (Linux /proc)."""
-    result: list[int] = []
-    task_dir = Path(f"/proc/{pid}/task")
-    if not task_dir.exists():
-        return result
-    for task in task_dir.iterdir():
-        try:
-            result += [int(x) for x in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return result
-
-
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    return "\nState:\tZ" not in status
 
 
 @dataclass
@@ -190,12 +144,6 @@ class WorkerProcess:
                 os.kill(kid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-
-def dex_command() -> list[str]:
-    """How to run the ``dex-tasks`` console script of this environment."""
-    script = Path(sys.executable).parent / "dex-tasks"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "dex_tasks.cli"]
 
 
 def start_process(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
