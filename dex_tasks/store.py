@@ -248,8 +248,12 @@ class Store:
             self.engine = _sqlite_engine(database_url, immediate=True)
             self.read_engine = _sqlite_engine(database_url, immediate=False)
         else:
+            # No pool_pre_ping: it costs a round trip per transaction (three per call in a
+            # worker). A connection the server dropped fails one statement instead, which
+            # SQLAlchemy recognises as a disconnect and answers by discarding the whole pool;
+            # the call it hit is finished by the sweeps (its lease or the republisher).
             self.engine = create_engine(
-                database_url, pool_pre_ping=True, pool_size=5, max_overflow=10
+                database_url, pool_size=5, max_overflow=10, pool_recycle=1800
             )
             _guard_fork(self.engine)
             self.read_engine = self.engine
