@@ -302,3 +302,12 @@ def write_results(kind: str, payload: dict[str, Any], out_dir: Path | None = Non
     body = {"kind": kind, "timestamp": stamp.isoformat(timespec="seconds"), **payload}
     path.write_text(json.dumps(body, indent=2, default=str) + "\n")
     return path
+
+
+def save_results(kind: str, payload: dict[str, Any], out_dir: Path | None,
+                 console: Any) -> dict[str, Any]:
+    """Write the results file, say where it is, and return ``payload`` with its ``path``."""
+    path = write_results(kind, payload, out_dir)
+    console.print(f"results: {path}")
+    payload["path"] = str(path)
+    return payload

@@ -32,8 +32,8 @@ from bench.infra import (
     fresh_store,
     machine_info,
     rss_bytes,
+    save_results,
     wait_for,
-    write_results,
 )
 from bench.targets import check, print_targets
 from bench.throughput import session_for
@@ -133,10 +133,7 @@ def run_memory(
         "failures": failures,
         "targets": targets,
     }
-    path = write_results("memory", payload, out_dir)
-    console.print(f"results: {path}")
-    payload["path"] = str(path)
-    return payload
+    return save_results("memory", payload, out_dir, console)
 
 
 def _drive(client: DexClient, worker: WorkerProcess, calls: int, warmup: int, batch: int,

@@ -42,7 +42,7 @@ from bench.infra import (
     child_env,
     fresh_store,
     machine_info,
-    write_results,
+    save_results,
 )
 from bench.throughput import DEX_DB, Bench, session_for
 from dex_tasks import DexClient, DexSettings
@@ -275,10 +275,7 @@ def run_roundtrips(
     payload = {"config": {"calls": calls, "stores": stores, "end_to_end": end_to_end},
                "machine": machine,
                "phases": rows}
-    path = write_results("roundtrips", payload, out_dir)
-    console.print(f"results: {path}")
-    payload["path"] = str(path)
-    return payload
+    return save_results("roundtrips", payload, out_dir, console)
 
 
 def _fmt(counts: dict[str, float], keys: tuple[str, ...] = ()) -> str:

@@ -42,7 +42,7 @@ from bench.infra import (
     fresh_store,
     machine_info,
     median,
-    write_results,
+    save_results,
 )
 from bench.targets import check, print_targets
 from dex_tasks import DexSettings
@@ -321,10 +321,7 @@ def run_sweeps(
         "growth": growth,
         "targets": targets,
     }
-    path = write_results("sweeps", payload, out_dir)
-    console.print(f"results: {path}")
-    payload["path"] = str(path)
-    return payload
+    return save_results("sweeps", payload, out_dir, console)
 
 
 def growth_rows(timings: list[SweepTiming]) -> list[dict[str, Any]]:

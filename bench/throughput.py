@@ -58,8 +58,8 @@ from bench.infra import (
     machine_info,
     median,
     percentile,
+    save_results,
     wait_for,
-    write_results,
 )
 from bench.targets import check, print_targets
 from dex_tasks import CallStatus, DexClient, DexSettings
@@ -408,10 +408,7 @@ def run_throughput(
         "rounds": [r.summary() for r in results],
         "targets": targets,
     }
-    path = write_results("throughput", payload, out_dir)
-    console.print(f"results: {path}")
-    payload["path"] = str(path)
-    return payload
+    return save_results("throughput", payload, out_dir, console)
 
 
 def aggregate(results: list[RoundResult]) -> list[dict[str, Any]]:

@@ -100,16 +100,22 @@
     el.dataset.effect = effect;
   }
 
+  // A card from its template, filled with what every card shows of the call.
+  function newCard(templateId, item) {
+    const card = $(templateId).content.firstElementChild.cloneNode(true);
+    card.dataset.interruptId = item.interrupt_id;
+    card.dataset.key = item.key;
+    setText(card, ".tool", item.tool);
+    effectBadge(card.querySelector(".effect"), item.effect);
+    setText(card, ".key", item.key);
+    setText(card, ".args", pretty(item.arguments));
+    return card;
+  }
+
   function renderPending(item, callsByKey) {
     let card = pendingCards.get(item.interrupt_id);
     if (!card) {
-      card = $("pending-card").content.firstElementChild.cloneNode(true);
-      card.dataset.interruptId = item.interrupt_id;
-      card.dataset.key = item.key;
-      setText(card, ".tool", item.tool);
-      effectBadge(card.querySelector(".effect"), item.effect);
-      setText(card, ".key", item.key);
-      setText(card, ".args", pretty(item.arguments));
+      card = newCard("pending-card", item);
       card.querySelector(".approve").addEventListener("click", () => decide(card, true));
       card.querySelector(".reject").addEventListener("click", () => decide(card, false));
       pendingCards.set(item.interrupt_id, card);
@@ -166,13 +172,7 @@
   function renderDecided(item, callsByKey) {
     let card = decidedCards.get(item.interrupt_id);
     if (!card) {
-      card = $("decided-card").content.firstElementChild.cloneNode(true);
-      card.dataset.interruptId = item.interrupt_id;
-      card.dataset.key = item.key;
-      setText(card, ".tool", item.tool);
-      effectBadge(card.querySelector(".effect"), item.effect);
-      setText(card, ".key", item.key);
-      setText(card, ".args", pretty(item.arguments));
+      card = newCard("decided-card", item);
       decidedCards.set(item.interrupt_id, card);
     }
     const call = callsByKey.get(item.key);
