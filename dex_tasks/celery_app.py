@@ -1,4 +1,8 @@
-"""The Celery app: JSON only, two queues (retrying and single-attempt), no result backend.
+"""The Celery app's configuration: JSON only, the queues, no result backend, and publishing.
+
+This module knows no task bodies: an app built here can send calls (``DexClient``, beat, the
+sweeps) but runs nothing. The worker registers the task kinds on its own app where it is built
+(``main_process.worker_app``), so the layers stay one-way: configuration below execution.
 
 The message of a call carries its idempotency key and nothing else: the store holds the
 arguments, the policy snapshot and the status, so a message can be republished at any time and
@@ -28,7 +32,7 @@ SWEEP = "dex.sweep"
 
 
 def create_app(settings: DexSettings, *, publisher: bool = False) -> Celery:
-    """A Celery app configured for dex-tasks, with the task kinds registered.
+    """A Celery app configured for dex-tasks; it sends tasks by name and registers none.
 
     ``publisher`` is for apps that only send calls (``DexClient``): on a ``redis://`` broker
     they use a transport that reuses its Redis client per channel (see ``transport.py``).
@@ -78,10 +82,6 @@ def create_app(settings: DexSettings, *, publisher: bool = False) -> Celery:
         enable_utc=True,
     )
     app.dex_settings = settings  # type: ignore[attr-defined]
-
-    from dex_tasks.main_process import register_tasks
-
-    register_tasks(app)
     return app
 
 

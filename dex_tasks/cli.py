@@ -70,10 +70,9 @@ def worker(
     store.close()
     logging.getLogger("dex_tasks").info("catalog published", extra={"action": "catalog_published",
                                                                      "tools": count})
-    celery = create_app(settings)
-    from dex_tasks import hooks
+    from dex_tasks.main_process import worker_app
 
-    hooks.install(celery)
+    celery = worker_app(settings)
     celery.worker_main([
         # JSON logs: no banner, so every line a collector reads is one JSON object.
         *(["--quiet"] if log_format == "json" else []),

@@ -96,7 +96,7 @@ def _unserialisable(value: Any) -> Any:
     raise TypeError(f"tool returned a value of type {type(value).__name__}, not JSON")
 
 
-def _did_not_run(store: Store, call: ToolCallRow, why: str) -> bool:
+def did_not_run(store: Store, call: ToolCallRow, why: str) -> bool:
     """End a queued call whose next attempt cannot start (expired, invalid, no tool here).
 
     Only a call that no attempt ever reached gets the "did not run" error. A retrying call
@@ -204,16 +204,16 @@ def _prepare(rt: Runtime, key: str) -> tuple[ToolCallRow, Any, dict[str, Any]] |
                  extra={"action": "duplicate_delivery", "key": key, "status": call.status})
         return None
     if call.expires_at is not None and time.time() > call.expires_at:
-        _did_not_run(rt.store, call, "it expired in the queue before a worker started it")
+        did_not_run(rt.store, call, "it expired in the queue before a worker started it")
         return None
     tool = get_local_tool(call.tool)
     if tool is None:
-        _did_not_run(rt.store, call, f"no worker that took it has the tool {call.tool!r}")
+        did_not_run(rt.store, call, f"no worker that took it has the tool {call.tool!r}")
         return None
     try:
         arguments = tool.validate(json.loads(call.arguments))
     except InvalidArguments as err:
-        _did_not_run(rt.store, call, str(err))
+        did_not_run(rt.store, call, str(err))
         return None
     return call, tool, arguments
 

@@ -20,7 +20,7 @@ from celery import Celery, signals
 from celery.worker import state as worker_state
 
 from dex_tasks.celery_app import RUN_RETRYING, RUN_SINGLE_ATTEMPT
-from dex_tasks.execution import _did_not_run, reset_runtime, runtime
+from dex_tasks.execution import did_not_run, reset_runtime, runtime
 
 log = logging.getLogger("dex_tasks.hooks")
 
@@ -92,6 +92,6 @@ def install(app: Celery) -> None:
             rt = runtime(app)
             call = rt.store.get_call(request.args[0])
             if call is not None:
-                _did_not_run(rt.store, call, "it expired in the queue before a worker started it")
+                did_not_run(rt.store, call, "it expired in the queue before a worker started it")
         except Exception:
             log.exception("could not record an expired call", extra={"action": "expire_error"})

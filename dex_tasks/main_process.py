@@ -2,7 +2,8 @@
 
 A child that is killed runs none of its own hooks, so the main process records the loss in
 :class:`DexRequest`. :class:`DexConsumer` keeps the worker alive through Redis restarts.
-``register_tasks`` binds the task kinds of ``execution.py`` to an app.
+``worker_app`` builds a worker's app: the configuration of ``celery_app.py`` plus the task
+kinds of ``execution.py`` and the sweep task, registered here and nowhere else.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from celery import Celery, Task
 from celery.worker.consumer import Consumer
 from celery.worker.request import Request
 
-from dex_tasks.celery_app import RUN_RETRYING, RUN_SINGLE_ATTEMPT, SWEEP
+from dex_tasks import hooks
+from dex_tasks.celery_app import RUN_RETRYING, RUN_SINGLE_ATTEMPT, SWEEP, create_app
 from dex_tasks.execution import (
     handle_lost_attempt,
     owner_id,
@@ -27,6 +29,8 @@ from dex_tasks.execution import (
     run_single_attempt,
     runtime,
 )
+from dex_tasks.settings import DexSettings
+from dex_tasks.sweeps import run_job
 
 log = logging.getLogger("dex_tasks.main_process")
 
@@ -177,6 +181,13 @@ def register_tasks(app: Celery) -> None:
 
     @app.task(name=SWEEP, bind=True, shared=False, acks_late=False, ignore_result=True)
     def sweep(self: Task, job: str) -> Any:
-        from dex_tasks.sweeps import run_job
-
         return run_job(runtime(self.app), job)
+
+
+def worker_app(settings: DexSettings) -> Celery:
+    """The app a ``dex-tasks worker`` runs: the shared configuration, the task kinds and the
+    sweep task registered, and the signal handlers of ``hooks.py`` connected."""
+    app = create_app(settings)
+    register_tasks(app)
+    hooks.install(app)
+    return app

@@ -10,14 +10,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from dex_tasks import approvals, claims
 from dex_tasks.celery_app import publish
+from dex_tasks.execution import Runtime, did_not_run, handle_lost_attempt
 from dex_tasks.policy import EffectClass
-
-if TYPE_CHECKING:
-    from dex_tasks.execution import Runtime
+from dex_tasks.reconcile import reconcile_with_reconcilers
 
 log = logging.getLogger("dex_tasks.sweeps")
 
@@ -27,8 +25,6 @@ def reap_expired_leases(rt: Runtime, now: float | None = None) -> int:
 
     Returns how many calls it moved.
     """
-    from dex_tasks.execution import handle_lost_attempt
-
     now = time.time() if now is None else now
     moved = 0
     for call in rt.store.expired_leases(now):
@@ -55,8 +51,6 @@ def republish_stranded(rt: Runtime, now: float | None = None) -> int:
     store's claim belongs to a worker that died between the two: no tool touched it, so it ends
     "did not run" (the store's compare-and-set keeps that safe if the worker is only slow).
     """
-    from dex_tasks.execution import _did_not_run
-
     now = time.time() if now is None else now
     window = rt.settings.republish_after_seconds
     acted = 0
@@ -65,14 +59,14 @@ def republish_stranded(rt: Runtime, now: float | None = None) -> int:
         if call.published_at is not None and now - call.published_at < backoff:
             continue
         if call.expires_at is not None and now > call.expires_at:
-            acted += _did_not_run(rt.store, call, "it expired in the queue before a worker "
+            acted += did_not_run(rt.store, call, "it expired in the queue before a worker "
                                   "started it")
             continue
         if not EffectClass(call.effect).retrying:
             claim = claims.read_claim(rt.redis, call.key)
             if claim is not None:
                 if now - float(claim.get("at", 0)) > window:
-                    acted += _did_not_run(
+                    acted += did_not_run(
                         rt.store, call,
                         "the worker that received it stopped before starting the tool",
                     )
@@ -106,8 +100,6 @@ def reconcile_unknown(rt: Runtime, now: float | None = None) -> int:
 
     Runs in a worker (beat sends it as a task), where the tool modules are imported.
     """
-    from dex_tasks.reconcile import reconcile_with_reconcilers
-
     return len(reconcile_with_reconcilers(rt.store, None, now).reported)
 
 
