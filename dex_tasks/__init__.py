@@ -5,7 +5,7 @@ The public names are re-exported here; see ``DESIGN.md`` for the contract they k
 
 from dex_tasks.approvals import APPROVAL_DEADLINE_PASSED, APPROVAL_REJECTED
 from dex_tasks.async_client import AsyncDexClient
-from dex_tasks.client import DexClient, InvalidCallError, idempotency_key
+from dex_tasks.client import DexClient, idempotency_key
 from dex_tasks.errors import (
     CallNotFoundError,
     ConfigurationError,
@@ -14,6 +14,7 @@ from dex_tasks.errors import (
     ForbiddenSessionError,
     IllegalTransitionError,
     InvalidArgumentError,
+    InvalidCallError,
     InvalidTokenError,
     StoreUnavailableError,
     ToolDefinitionError,

@@ -36,6 +36,13 @@ from sqlalchemy.engine import Connection, CursorResult
 
 from dex_tasks.celery_app import publish
 from dex_tasks.errors import InvalidArgumentError
+from dex_tasks.limits import (
+    APPROVER_MAX,
+    INTERRUPT_ID_MAX,
+    SESSION_ID_MAX,
+    check_id,
+    check_text,
+)
 from dex_tasks.models import InterruptRow, ToolCallRow
 from dex_tasks.policy import EffectClass
 from dex_tasks.records import (
@@ -60,7 +67,6 @@ APPROVED = "approved"
 REJECTED = "rejected"
 EXPIRED = "expired"
 
-MAX_APPROVER_LENGTH = 200  # the width of dex_interrupts.decided_by
 EXPIRE_BATCH = 500
 
 
@@ -84,14 +90,6 @@ def _iso(ts: float) -> str:
 
 def _dt(ts: float | None) -> datetime | None:
     return None if ts is None else datetime.fromtimestamp(ts, tz=UTC)
-
-
-def _require_str(field: str, value: Any, *, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, str):
-        kind = "a string or None" if optional else "a string"
-        raise InvalidArgumentError(f"{field} must be {kind}, got {type(value).__name__}")
 
 
 class _CallNotAwaiting(Exception):
@@ -120,17 +118,15 @@ def resolve_interrupt(
     sends it. Rejecting moves it to ``rejected`` with :func:`rejection_error` as its error.
     ``rejection_message`` is ignored when approving.
     """
-    _require_str("session_id", session_id)
-    _require_str("interrupt_id", interrupt_id)
+    check_id("session_id", session_id, SESSION_ID_MAX)
+    check_id("interrupt_id", interrupt_id, INTERRUPT_ID_MAX)
     if not isinstance(approved, bool):
         raise InvalidArgumentError(f"approved must be a boolean, got {type(approved).__name__}")
-    _require_str("rejection_message", rejection_message, optional=True)
-    _require_str("approver", approver, optional=True)
+    if rejection_message is not None:
+        check_text("rejection_message", rejection_message)
     approver = approver or None
-    if approver is not None and len(approver) > MAX_APPROVER_LENGTH:
-        raise InvalidArgumentError(
-            f"approver must be at most {MAX_APPROVER_LENGTH} characters, got {len(approver)}"
-        )
+    if approver is not None:
+        check_id("approver", approver, APPROVER_MAX)
     now = time.time() if now is None else now
     decision = APPROVED if approved else REJECTED
     reason = None if approved else (rejection_message or None)
@@ -277,11 +273,8 @@ def send_user_message(
 
     Queued messages are delivered by the transaction that ends the turn's last call.
     """
-    _require_str("session_id", session_id)
-    _require_str("text", text)
-    if not session_id:
-        raise InvalidArgumentError("session_id must be a non-empty string")
-    if not text:
+    check_id("session_id", session_id, SESSION_ID_MAX)
+    if not check_text("text", text):
         raise InvalidArgumentError("text must be a non-empty string")
     now = time.time() if now is None else now
     with store.write() as conn:

@@ -13,7 +13,15 @@ from celery import Celery
 
 from dex_tasks import approvals, catalog
 from dex_tasks.celery_app import create_app, publish
-from dex_tasks.errors import CallNotFoundError, ConflictError, DexError, UnknownToolError
+from dex_tasks.errors import CallNotFoundError, ConflictError, InvalidCallError, UnknownToolError
+from dex_tasks.limits import (
+    KEY_MAX,
+    SESSION_ID_MAX,
+    TOOL_CALL_ID_MAX,
+    TOOL_NAME_MAX,
+    TURN_ID_MAX,
+    check_id,
+)
 from dex_tasks.models import ToolCallRow
 from dex_tasks.policy import EffectClass, ToolPolicy, resolve_policy, seconds
 from dex_tasks.records import AgentSnapshot, CallEvent, ToolCallRecord
@@ -29,19 +37,26 @@ _UNSET_COLUMNS: dict[str, Any] = {
 }
 
 
-class InvalidCallError(DexError):
-    """A ``call_tool`` argument is malformed (an empty id, a ``/`` in an id, non-object args)."""
+__all__ = ["DexClient", "InvalidCallError", "idempotency_key"]
 
 
 def idempotency_key(session_id: str, turn_id: str, tool_call_id: str) -> str:
-    """``session/turn/call``: the call's identity, the same for every attempt."""
-    for field, value in (("session_id", session_id), ("turn_id", turn_id),
-                         ("tool_call_id", tool_call_id)):
-        if not isinstance(value, str) or not value:
-            raise InvalidCallError(f"{field} must be a non-empty string, got {value!r}")
-        if "/" in value:
-            raise InvalidCallError(f"{field} may not contain '/', got {value!r}")
-    return f"{session_id}/{turn_id}/{tool_call_id}"
+    """``session/turn/call``: the call's identity, the same for every attempt.
+
+    Raises :class:`InvalidCallError` naming the field (and the limit) for an id that is empty,
+    too long, holds ``/``, a NUL byte or a lone surrogate, and for a key over the limit.
+    """
+    for field, value, limit in (("session_id", session_id, SESSION_ID_MAX),
+                                ("turn_id", turn_id, TURN_ID_MAX),
+                                ("tool_call_id", tool_call_id, TOOL_CALL_ID_MAX)):
+        check_id(field, value, limit, slash=False, error=InvalidCallError)
+    key = f"{session_id}/{turn_id}/{tool_call_id}"
+    if len(key) > KEY_MAX:
+        raise InvalidCallError(
+            f"the idempotency key session_id/turn_id/tool_call_id must be at most {KEY_MAX} "
+            f"characters, got {len(key)}: shorten the ids"
+        )
+    return key
 
 
 class DexClient:
@@ -103,13 +118,17 @@ class DexClient:
         "did not run".
         """
         key = idempotency_key(session_id, turn_id, tool_call_id)
+        check_id("tool", tool, TOOL_NAME_MAX, error=InvalidCallError)
         if arguments is None:
             arguments = {}
         if not isinstance(arguments, Mapping):
             raise InvalidCallError(
                 f"arguments must be a JSON object, got {type(arguments).__name__}"
             )
-        args_json = canonical_json(dict(arguments))
+        try:
+            args_json = canonical_json(dict(arguments))
+        except ValueError as err:
+            raise InvalidCallError(str(err)) from None
         try:
             info = self._lookup(tool)
         except UnknownToolError:

@@ -12,6 +12,7 @@ catch one type. The tree::
     ├── IllegalTransitionError  code asked the store for a status change the state machine forbids
     ├── StoreUnavailableError   the SQL store could not be reached or refused the statement
     ├── InvalidArgumentError    an argument of a public function is malformed (names the field)
+    │   └── InvalidCallError    a call_tool argument is malformed (an id, the arguments)
     ├── InvalidTokenError       an approval token is missing, forged, malformed or expired (401)
     └── ForbiddenSessionError   a valid token for another session, or without permission (403)
 
@@ -70,6 +71,11 @@ class StoreUnavailableError(DexError):
 
 class InvalidArgumentError(DexError, ValueError):
     """An argument of a public function has the wrong type or value; the message names it."""
+
+
+class InvalidCallError(InvalidArgumentError):
+    """A ``call_tool`` argument is malformed: an id that is empty, too long, holds ``/``, a NUL
+    byte or a lone surrogate, or arguments that are not a JSON object. Names the field."""
 
 
 class InvalidTokenError(DexError):

@@ -89,7 +89,8 @@ def owner_id(hostname: str | None, pid: int | None) -> str:
 
 
 def _dump_result(value: Any) -> str:
-    return json.dumps(value, default=_unserialisable)
+    # allow_nan=False: NaN would be stored as JSON no other reader accepts (the API says null).
+    return json.dumps(value, default=_unserialisable, allow_nan=False)
 
 
 def _unserialisable(value: Any) -> Any:

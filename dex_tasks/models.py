@@ -9,6 +9,16 @@ from __future__ import annotations
 from sqlalchemy import Column, Index, Text
 from sqlmodel import Field, SQLModel
 
+from dex_tasks.limits import (
+    APPROVER_MAX,
+    INTERRUPT_ID_MAX,
+    KEY_MAX,
+    SESSION_ID_MAX,
+    TOOL_CALL_ID_MAX,
+    TOOL_NAME_MAX,
+    TURN_ID_MAX,
+)
+
 
 class ToolCallRow(SQLModel, table=True):
     """One tool call, keyed by its idempotency key, with the policy snapshot taken at request."""
@@ -21,11 +31,11 @@ class ToolCallRow(SQLModel, table=True):
         Index("ix_dex_calls_status_published", "status", "published_at"),
     )
 
-    key: str = Field(primary_key=True, max_length=512)
-    session_id: str = Field(index=True, max_length=200)
-    turn_id: str = Field(max_length=200)
-    tool_call_id: str = Field(max_length=200)
-    tool: str = Field(max_length=200)
+    key: str = Field(primary_key=True, max_length=KEY_MAX)
+    session_id: str = Field(index=True, max_length=SESSION_ID_MAX)
+    turn_id: str = Field(max_length=TURN_ID_MAX)
+    tool_call_id: str = Field(max_length=TOOL_CALL_ID_MAX)
+    tool: str = Field(max_length=TOOL_NAME_MAX)
     arguments: str = Field(sa_column=Column(Text, nullable=False))
     # Policy snapshot: later policy changes affect only later calls.
     effect: str = Field(max_length=32)
@@ -37,7 +47,7 @@ class ToolCallRow(SQLModel, table=True):
     result: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     error: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     attempts: int = 0
-    interrupt_id: str | None = Field(default=None, max_length=64)
+    interrupt_id: str | None = Field(default=None, max_length=INTERRUPT_ID_MAX)
     worker: str | None = Field(default=None, max_length=255)
     lease_expires_at: float | None = None
     published_at: float | None = None
@@ -60,8 +70,8 @@ class CallEventRow(SQLModel, table=True):
     __table_args__ = (Index("ix_dex_events_session_id", "session_id", "id"),)
 
     id: int | None = Field(default=None, primary_key=True)
-    session_id: str = Field(max_length=200)
-    key: str = Field(index=True, max_length=512)
+    session_id: str = Field(max_length=SESSION_ID_MAX)
+    key: str = Field(index=True, max_length=KEY_MAX)
     event: str = Field(max_length=64)
     from_status: str | None = Field(default=None, max_length=32)
     to_status: str = Field(max_length=32)
@@ -78,13 +88,13 @@ class InterruptRow(SQLModel, table=True):
         Index("ix_dex_interrupts_open_deadline", "decision", "deadline_at"),
     )
 
-    interrupt_id: str = Field(primary_key=True, max_length=64)
-    key: str = Field(unique=True, max_length=512)
-    session_id: str = Field(index=True, max_length=200)
+    interrupt_id: str = Field(primary_key=True, max_length=INTERRUPT_ID_MAX)
+    key: str = Field(unique=True, max_length=KEY_MAX)
+    session_id: str = Field(index=True, max_length=SESSION_ID_MAX)
     deadline_at: float | None = None
     created_at: float
     decision: str | None = Field(default=None, max_length=32)
-    decided_by: str | None = Field(default=None, max_length=200)
+    decided_by: str | None = Field(default=None, max_length=APPROVER_MAX)
     decided_at: float | None = None
     reason: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
 
@@ -99,7 +109,7 @@ class MessageRow(SQLModel, table=True):
     )
 
     id: int | None = Field(default=None, primary_key=True)
-    session_id: str = Field(index=True, max_length=200)
+    session_id: str = Field(index=True, max_length=SESSION_ID_MAX)
     text: str = Field(sa_column=Column(Text, nullable=False))
     status: str = Field(max_length=16)
     created_at: float
@@ -111,7 +121,7 @@ class CatalogRow(SQLModel, table=True):
 
     __tablename__ = "dex_tool_catalog"
 
-    name: str = Field(primary_key=True, max_length=200)
+    name: str = Field(primary_key=True, max_length=TOOL_NAME_MAX)
     policy: str = Field(sa_column=Column(Text, nullable=False))
     hints: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     arguments_schema: str = Field(sa_column=Column(Text, nullable=False))
@@ -128,8 +138,8 @@ class ReconciliationRow(SQLModel, table=True):
 
     __tablename__ = "dex_reconciliations"
 
-    key: str = Field(primary_key=True, max_length=512)
-    session_id: str = Field(index=True, max_length=200)
+    key: str = Field(primary_key=True, max_length=KEY_MAX)
+    session_id: str = Field(index=True, max_length=SESSION_ID_MAX)
     message_id: int | None = None
     # Who answered: "check" (a function passed by the caller) or "reconciler:<tool>".
     checker: str = Field(max_length=255)

@@ -35,7 +35,7 @@ from dex_tasks.errors import DexError
 from dex_tasks.models import ReconciliationRow, ToolCallRow
 from dex_tasks.registry import Tool, local_tools
 from dex_tasks.states import CallStatus
-from dex_tasks.store import CALLS, Store
+from dex_tasks.store import CALLS, Store, readable_calls
 
 if TYPE_CHECKING:
     from dex_tasks.client import DexClient
@@ -170,12 +170,13 @@ def unreported_calls(
             )
         stmt = stmt.order_by(CALLS.c.finished_at, CALLS.c.key).limit(PAGE)
         with store.read() as conn:
-            rows = [ToolCallRow.model_validate(dict(r)) for r in conn.execute(stmt).mappings()]
+            page = conn.execute(stmt).mappings().all()
+        rows = readable_calls(page)
         yield from rows
-        if len(rows) < PAGE:
+        if len(page) < PAGE:
             return
-        last = rows[-1]
-        after = (last.finished_at or 0.0, last.key)
+        last = page[-1]
+        after = (last["finished_at"] or 0.0, last["key"])
 
 
 def _answer(value: object) -> str | None:

@@ -189,6 +189,46 @@ def local_tools() -> dict[str, Tool[Any]]:
     return dict(_REGISTRY)
 
 
+def json_problem(value: Any, path: str = "arguments") -> str | None:
+    """What keeps ``value`` from being plain JSON, naming where; None when it is JSON.
+
+    ``json.dumps`` would turn a ``date`` into nothing, or with ``default=str`` into a string
+    equal to another call's string, turn ``{1: ...}`` into ``{"1": ...}``, and write ``NaN``,
+    which other JSON readers refuse or read as null. A call's arguments are its identity, so
+    anything that does not survive a round trip unchanged is refused instead.
+    """
+    if value is None or isinstance(value, bool | str):
+        return None
+    if isinstance(value, int):
+        return None
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            return f"{path} is {value!r}, which JSON cannot represent"
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return f"{path} has a key {k!r} of type {type(k).__name__}; JSON keys are strings"
+            problem = json_problem(v, f"{path}.{k}")
+            if problem:
+                return problem
+        return None
+    if isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            problem = json_problem(v, f"{path}[{i}]")
+            if problem:
+                return problem
+        return None
+    return (f"{path} is a {type(value).__name__}, not a JSON value (str, number, bool, null, "
+            "list or object); convert it first")
+
+
 def canonical_json(value: Any) -> str:
-    """JSON with sorted keys and no spaces, so equal arguments give equal text."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    """JSON with sorted keys and no spaces, so equal arguments give equal text.
+
+    Refuses (``ValueError``, naming where) anything :func:`json_problem` finds.
+    """
+    problem = json_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)

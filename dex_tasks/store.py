@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import threading
 import time
@@ -16,6 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy import Engine, bindparam, event, exists, func, insert, literal, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError, SQLAlchemyError
@@ -26,11 +28,31 @@ from dex_tasks.errors import IllegalTransitionError, StoreUnavailableError
 from dex_tasks.models import CallEventRow, CatalogRow, InterruptRow, MessageRow, ToolCallRow
 from dex_tasks.states import ALLOWED_FROM, CallStatus
 
+log = logging.getLogger("dex_tasks.store")
+
 CALLS = ToolCallRow.__table__  # type: ignore[attr-defined]
 EVENTS = CallEventRow.__table__  # type: ignore[attr-defined]
 INTERRUPTS = InterruptRow.__table__  # type: ignore[attr-defined]
 CATALOG = CatalogRow.__table__  # type: ignore[attr-defined]
 MESSAGES = MessageRow.__table__  # type: ignore[attr-defined]
+
+
+def readable_calls(rows: Iterable[Any]) -> list[ToolCallRow]:
+    """The rows that make valid calls; each one that does not is logged and left out.
+
+    A batch read by a sweep must not fail because of one row it cannot read (an id longer
+    than its column, stored by an older release on SQLite, or a value no status or effect
+    class has): every other call in the batch still needs recovering.
+    """
+    calls = []
+    for row in rows:
+        try:
+            calls.append(ToolCallRow.model_validate(dict(row)))
+        except ValidationError as err:
+            log.error("unreadable call row skipped", extra={
+                "action": "store_row_unreadable", "key": ascii(str(row.get("key", "?"))[:120]),
+                "error": str(err).splitlines()[0]})
+    return calls
 
 
 def event_name(to: CallStatus) -> str:
@@ -471,7 +493,7 @@ class Store:
                 )
                 .limit(limit)
             ).mappings()
-            return [ToolCallRow.model_validate(dict(r)) for r in rows]
+            return readable_calls(rows)
 
     def stranded_queued(self, published_before: float, limit: int = 500) -> list[ToolCallRow]:
         """Queued calls with no publish since ``published_before`` (never published included)."""
@@ -485,7 +507,7 @@ class Store:
                 .order_by(CALLS.c.published_at)
                 .limit(limit)
             ).mappings()
-            return [ToolCallRow.model_validate(dict(r)) for r in rows]
+            return readable_calls(rows)
 
     def events(self, session_id: str, after: int = 0, limit: int = 1000) -> list[CallEventRow]:
         """The session's events with ``id > after``, in order."""

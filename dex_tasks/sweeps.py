@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from dex_tasks import approvals, claims
 from dex_tasks.celery_app import publish
+from dex_tasks.errors import StoreUnavailableError
 from dex_tasks.execution import Runtime, did_not_run, handle_lost_attempt
+from dex_tasks.models import ToolCallRow
 from dex_tasks.policy import EffectClass
 from dex_tasks.reconcile import reconcile_with_reconcilers
 
@@ -28,13 +31,31 @@ def reap_expired_leases(rt: Runtime, now: float | None = None) -> int:
     now = time.time() if now is None else now
     moved = 0
     for call in rt.store.expired_leases(now):
-        status = handle_lost_attempt(
-            rt, call.key, call.worker,
-            "the worker running the tool stopped renewing its lease (presumed lost)",
-            republish=True,
-        )
-        moved += status is not None
+        with _one_row("reap_expired_leases", call.key):
+            status = handle_lost_attempt(
+                rt, call.key, call.worker,
+                "the worker running the tool stopped renewing its lease (presumed lost)",
+                republish=True,
+            )
+            moved += status is not None
     return moved
+
+
+@contextmanager
+def _one_row(job: str, key: str) -> Iterator[None]:
+    """Log and skip a call a sweep cannot handle, so the rest of its batch is still handled.
+
+    The store being down is not such a call: that ends the whole sweep (it runs again on the
+    next beat tick).
+    """
+    try:
+        yield
+    except StoreUnavailableError:
+        raise
+    except Exception as err:
+        log.error("sweep skipped a call it could not handle", exc_info=True, extra={
+            "action": "sweep_row_failed", "job": job, "key": ascii(key[:120]),
+            "error": f"{type(err).__name__}: {err}"})
 
 
 MAX_REPUBLISH_DOUBLINGS = 6
@@ -55,32 +76,35 @@ def republish_stranded(rt: Runtime, now: float | None = None) -> int:
     window = rt.settings.republish_after_seconds
     acted = 0
     for call in rt.store.stranded_queued(now - window):
-        backoff = window * (2 ** min(call.republishes, MAX_REPUBLISH_DOUBLINGS))
-        if call.published_at is not None and now - call.published_at < backoff:
-            continue
-        if call.expires_at is not None and now > call.expires_at:
-            acted += did_not_run(rt.store, call, "it expired in the queue before a worker "
-                                  "started it")
-            continue
-        if not EffectClass(call.effect).retrying:
-            claim = claims.read_claim(rt.redis, call.key)
-            if claim is not None:
-                if now - float(claim.get("at", 0)) > window:
-                    acted += did_not_run(
-                        rt.store, call,
-                        "the worker that received it stopped before starting the tool",
-                    )
-                continue
-        try:
-            publish(rt.app, call)
-        except Exception:  # noqa: BLE001 - broker down: try again next sweep
-            log.warning("republish failed", extra={"action": "republish_failed",
-                                                   "key": call.key})
-            continue
-        rt.store.mark_published(call.key, now, republished=True)
-        log.info("stranded call republished", extra={"action": "republished", "key": call.key})
-        acted += 1
+        with _one_row("republish_stranded", call.key):
+            acted += _republish_one(rt, call, now, window)
     return acted
+
+
+def _republish_one(rt: Runtime, call: ToolCallRow, now: float, window: float) -> int:
+    backoff = window * (2 ** min(call.republishes, MAX_REPUBLISH_DOUBLINGS))
+    if call.published_at is not None and now - call.published_at < backoff:
+        return 0
+    if call.expires_at is not None and now > call.expires_at:
+        return int(did_not_run(rt.store, call,
+                               "it expired in the queue before a worker started it"))
+    if not EffectClass(call.effect).retrying:
+        claim = claims.read_claim(rt.redis, call.key)
+        if claim is not None:
+            if now - float(claim.get("at", 0)) > window:
+                return int(did_not_run(
+                    rt.store, call,
+                    "the worker that received it stopped before starting the tool",
+                ))
+            return 0
+    try:
+        publish(rt.app, call)
+    except Exception:  # noqa: BLE001 - broker down: try again next sweep
+        log.warning("republish failed", extra={"action": "republish_failed", "key": call.key})
+        return 0
+    rt.store.mark_published(call.key, now, republished=True)
+    log.info("stranded call republished", extra={"action": "republished", "key": call.key})
+    return 1
 
 
 def expire_approvals(rt: Runtime, now: float | None = None) -> int:

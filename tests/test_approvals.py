@@ -215,7 +215,9 @@ def test_unknown_interrupt_or_wrong_session_returns_false(db_client: DexClient) 
 
     assert not db_client.resolve_interrupt("s2", interrupt_of(record), True)
     assert not db_client.resolve_interrupt("s1", "no-such-interrupt", True)
-    assert not db_client.resolve_interrupt("", "", False)
+    # Empty ids are not unknown ones but malformed input: refused, naming the field.
+    with pytest.raises(InvalidArgumentError, match="session_id must be a non-empty string"):
+        db_client.resolve_interrupt("", "", False)
 
     assert db_client.get_tool_call(record.key).status is CallStatus.AWAITING_APPROVAL
     assert len(db_client.get_agent_snapshot("s1").pending_interrupts) == 1

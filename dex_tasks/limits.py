@@ -1,0 +1,58 @@
+"""How long ids and names may be, and the checks every one of them passes before it is stored.
+
+The store's columns have these widths (``models.py`` takes them from here). PostgreSQL refuses a
+longer value (which a client would see as a store error), and SQLite stores it but it can never
+be read back into a model: one such row used to break every sweep that read it. So ids are
+checked up front, with an error that names the field and the limit. NUL bytes (PostgreSQL text
+cannot hold them) and lone surrogates (not encodable as UTF-8) are refused the same way.
+"""
+
+from __future__ import annotations
+
+from dex_tasks.errors import DexError, InvalidArgumentError
+
+SESSION_ID_MAX = 200
+TURN_ID_MAX = 200
+TOOL_CALL_ID_MAX = 200
+KEY_MAX = 512
+TOOL_NAME_MAX = 200
+INTERRUPT_ID_MAX = 64
+APPROVER_MAX = 200
+
+
+def check_text(field: str, value: object, *, error: type[DexError] = InvalidArgumentError) -> str:
+    """``value`` if it is a string the store can hold (no NUL, valid Unicode); else ``error``."""
+    if not isinstance(value, str):
+        raise error(f"{field} must be a string, got {type(value).__name__}")
+    if "\x00" in value:
+        raise error(f"{field} may not contain NUL bytes (\\x00), got {_show(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise error(f"{field} contains a lone surrogate and is not valid Unicode, "
+                    f"got {_show(value)}") from None
+    return value
+
+
+def check_id(
+    field: str, value: object, limit: int, *, slash: bool = True,
+    error: type[DexError] = InvalidArgumentError,
+) -> str:
+    """``value`` if it is a non-empty id of at most ``limit`` characters the store can hold.
+
+    ``slash=False`` refuses ``/``, which separates the parts of an idempotency key.
+    """
+    text = check_text(field, value, error=error)
+    if not text:
+        raise error(f"{field} must be a non-empty string, got {text!r}")
+    if len(text) > limit:
+        raise error(f"{field} must be at most {limit} characters, got {len(text)}")
+    if not slash and "/" in text:
+        raise error(f"{field} may not contain '/', got {_show(text)}")
+    return text
+
+
+def _show(value: str, width: int = 60) -> str:
+    # Ids can be long and hold control characters: show a bounded, escaped form.
+    shown = value if len(value) <= width else value[:width] + "..."
+    return ascii(shown)
