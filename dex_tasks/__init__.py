@@ -5,6 +5,7 @@ The public names are re-exported here; see ``DESIGN.md`` for the contract they k
 
 from dex_tasks.approvals import APPROVAL_DEADLINE_PASSED, APPROVAL_REJECTED
 from dex_tasks.async_client import AsyncDexClient
+from dex_tasks.catalog import ToolSpec
 from dex_tasks.client import DexClient, idempotency_key
 from dex_tasks.errors import (
     CallNotFoundError,
@@ -16,6 +17,7 @@ from dex_tasks.errors import (
     InvalidArgumentError,
     InvalidCallError,
     InvalidTokenError,
+    OutcomeUnknownError,
     StoreUnavailableError,
     ToolDefinitionError,
     TransientToolError,
@@ -31,7 +33,7 @@ from dex_tasks.records import (
     SessionMessage,
     ToolCallRecord,
 )
-from dex_tasks.registry import Tool, ToolContext, tool
+from dex_tasks.registry import Tool, ToolContext, define_tool, tool
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import OUTCOME_UNKNOWN_TOOL_RESULT, TOOL_DID_NOT_RUN, CallStatus
 from dex_tasks.tokens import TokenClaims, issue_token, verify_token
@@ -59,6 +61,7 @@ __all__ = [
     "InvalidCallError",
     "InvalidPolicyError",
     "InvalidTokenError",
+    "OutcomeUnknownError",
     "PendingInterrupt",
     "SessionMessage",
     "StoreUnavailableError",
@@ -68,8 +71,10 @@ __all__ = [
     "ToolContext",
     "ToolDefinitionError",
     "ToolPolicy",
+    "ToolSpec",
     "TransientToolError",
     "UnknownToolError",
+    "define_tool",
     "idempotency_key",
     "issue_token",
     "report_unknown_outcomes",

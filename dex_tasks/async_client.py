@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+from dex_tasks.catalog import ToolSpec
 from dex_tasks.client import DexClient
 from dex_tasks.policy import EffectClass
 from dex_tasks.records import AgentSnapshot, CallEvent, ToolCallRecord
@@ -88,6 +89,12 @@ class AsyncDexClient:
                 approval_deadline=approval_deadline, expires_in=expires_in,
             )
         )
+
+    async def list_tools(
+        self, default_effect: EffectClass | str | None = None
+    ) -> list[ToolSpec]:
+        """The published tools; see :meth:`DexClient.list_tools`."""
+        return await asyncio.to_thread(self.sync.list_tools, default_effect)
 
     async def get_tool_call(self, key: str) -> ToolCallRecord:
         """The call's record; :class:`CallNotFoundError` if no call has that key."""

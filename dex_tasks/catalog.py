@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from jsonschema import Draft202012Validator
 from sqlalchemy.exc import IntegrityError
 
 from dex_tasks.errors import UnknownToolError
-from dex_tasks.policy import ToolPolicy
-from dex_tasks.registry import Tool, get_local_tool
+from dex_tasks.policy import EffectClass, ToolPolicy, resolve_policy
+from dex_tasks.registry import (
+    Tool,
+    get_local_tool,
+    local_tools,
+    schema_validator,
+    validate_against_schema,
+)
 from dex_tasks.store import Store
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True)  # not slots: the validator is cached on the instance
 class ToolInfo:
     """What a caller needs to know of a tool: its explicit policy (if any), hints, schema."""
 
@@ -25,6 +33,37 @@ class ToolInfo:
     hints: dict[str, Any] | None
     schema: dict[str, Any]
     local: Tool[Any] | None = None
+
+    def validate(self, arguments: dict[str, Any]) -> None:
+        """Check arguments against the tool (its local code, else its published schema).
+
+        Raises ``registry.InvalidArguments`` naming every field that is wrong.
+        """
+        if self.local is not None:
+            self.local.validate(arguments)
+        else:
+            validate_against_schema(self.name, self._validator, arguments)
+
+    @functools.cached_property
+    def _validator(self) -> Draft202012Validator:
+        return schema_validator(self.schema)
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool as a framework adapter (or a model) needs to know it, from ``list_tools()``.
+
+    ``policy`` is the policy a call made now would get (explicit policy > the tool's MCP hints
+    > the session default given to ``list_tools`` > ``unclassified``); ``policy.needs_approval``
+    says whether its calls wait for a person. ``parameters`` is the JSON schema of its
+    arguments and ``description`` the tool's docstring.
+    """
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    policy: ToolPolicy
+    hints: dict[str, Any] | None = None
 
 
 def entry_for(tool: Tool[Any], now: float) -> dict[str, Any]:
@@ -64,3 +103,26 @@ def lookup(store: Store, name: str) -> ToolInfo:
         hints=json.loads(row.hints) if row.hints else None,
         schema=json.loads(row.arguments_schema),
     )
+
+
+def list_specs(
+    store: Store, default_effect: EffectClass | str | None = None
+) -> list[ToolSpec]:
+    """Every tool of the published catalog, and of this process's registry (which wins for a
+    name in both), sorted by name."""
+    infos: dict[str, tuple[ToolPolicy | None, dict[str, Any] | None, dict[str, Any], str]] = {}
+    for row in store.list_catalog():
+        raw_policy = json.loads(row.policy)
+        infos[row.name] = (
+            ToolPolicy.from_json(raw_policy) if raw_policy else None,
+            json.loads(row.hints) if row.hints else None,
+            json.loads(row.arguments_schema),
+            row.description or "",
+        )
+    for name, tool in local_tools().items():
+        infos[name] = (tool.explicit_policy, tool.hints, tool.schema, tool.description or "")
+    return [
+        ToolSpec(name=name, description=description, parameters=schema,
+                 policy=resolve_policy(policy, hints, default_effect), hints=hints)
+        for name, (policy, hints, schema, description) in sorted(infos.items())
+    ]

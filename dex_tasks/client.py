@@ -12,6 +12,7 @@ from typing import Any, cast
 from celery import Celery
 
 from dex_tasks import approvals, catalog
+from dex_tasks.catalog import ToolSpec
 from dex_tasks.celery_app import create_app, publish
 from dex_tasks.errors import CallNotFoundError, ConflictError, InvalidCallError, UnknownToolError
 from dex_tasks.limits import (
@@ -139,9 +140,13 @@ class DexClient:
             return self._same_call(existing, tool, args_json)
         policy = resolve_policy(info.policy, info.hints, default_effect)
         invalid: str | None = None
-        if info.local is not None:
+        if info.local is not None or policy.needs_approval:
+            # Checked here when the tool's code is in this process, and against the schema the
+            # workers published when a person would otherwise be asked to approve arguments
+            # the tool refuses. (Other calls are checked by the worker: the published schema
+            # is stricter than the signature's coercions, "5" for an int for instance.)
             try:
-                info.local.validate(arguments)
+                info.validate(dict(arguments))
             except InvalidArguments as err:
                 invalid = str(err)
         row, interrupt = self._new_row(
@@ -170,6 +175,13 @@ class DexClient:
         # The record as inserted: a worker may already have moved it on, which the next read
         # (get_tool_call, wait) shows.
         return ToolCallRecord.from_row(call)
+
+    def list_tools(self, default_effect: EffectClass | str | None = None) -> list[ToolSpec]:
+        """Every tool the workers published (and any registered in this process), by name:
+        each one's ``name``, ``description`` (its docstring), ``parameters`` (the JSON schema
+        of its arguments) and the ``policy`` a call made now would get, given the session's
+        ``default_effect``. What framework adapters build their tools from."""
+        return catalog.list_specs(self.store, default_effect)
 
     def refresh_catalog(self) -> None:
         """Forget cached catalog entries: the next call of each tool reads the catalog."""

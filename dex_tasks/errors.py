@@ -16,7 +16,8 @@ catch one type. The tree::
     ├── InvalidTokenError       an approval token is missing, forged, malformed or expired (401)
     └── ForbiddenSessionError   a valid token for another session, or without permission (403)
 
-:class:`TransientToolError` is not a ``DexError``: tools raise it to ask for a retry.
+:class:`TransientToolError` and :class:`OutcomeUnknownError` are not ``DexError``s: tools raise
+them, to ask for a retry, or to say they cannot tell whether their effect happened.
 """
 
 from __future__ import annotations
@@ -98,3 +99,14 @@ class TransientToolError(Exception):
     def __init__(self, message: str = "", *, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class OutcomeUnknownError(Exception):
+    """Raise from a tool when it cannot tell whether its effect happened.
+
+    A request timed out after it was sent, a connection dropped before the answer came: the
+    service may or may not have acted. The call ends ``outcome_unknown`` (its error starts with
+    ``OUTCOME_UNKNOWN_TOOL_RESULT`` and carries this message) and is never run again, on either
+    path, not even for a ``read`` with attempts left. Reconcile it with the service by the
+    call's idempotency key.
+    """

@@ -30,7 +30,7 @@ from celery import Celery, Task
 
 from dex_tasks import claims, retry
 from dex_tasks.celery_app import publish
-from dex_tasks.errors import TransientToolError
+from dex_tasks.errors import OutcomeUnknownError, TransientToolError
 from dex_tasks.models import ToolCallRow
 from dex_tasks.policy import EffectClass
 from dex_tasks.registry import InvalidArguments, ToolContext, get_local_tool
@@ -284,6 +284,8 @@ def run_retrying(task: Task, key: str) -> None:
         return
     try:
         value = tool(_context(call, attempt), **arguments)
+    except OutcomeUnknownError as err:
+        _outcome_unknown(rt, key, owner, err)
     except (TransientToolError, SoftTimeLimitExceeded) as err:
         message = _error_text(err) if isinstance(err, TransientToolError) else (
             f"the tool hit its soft time limit of {call.time_limit}s"
@@ -349,6 +351,8 @@ def run_single_attempt(task: Task, key: str) -> None:
         return
     try:
         value = tool(_context(call, attempt), **arguments)
+    except OutcomeUnknownError as err:
+        _outcome_unknown(rt, key, owner, err)
     except SoftTimeLimitExceeded:
         # Interrupted part-way: whatever it had done stays done, and we cannot tell how much.
         handle_lost_attempt(rt, key, owner,
@@ -358,6 +362,13 @@ def run_single_attempt(task: Task, key: str) -> None:
         _finish(rt, key, owner, CallStatus.FAILED, error=_error_text(err), reason="tool_error")
     else:
         _succeed(rt, key, owner, value)
+
+
+def _outcome_unknown(rt: Runtime, key: str, owner: str, err: OutcomeUnknownError) -> None:
+    # The tool itself says it cannot tell: no retry, whatever the path and attempts left.
+    reason = f"the tool could not tell whether its effect happened ({_error_text(err)})"
+    _finish(rt, key, owner, CallStatus.OUTCOME_UNKNOWN, error=retry.outcome_unknown_text(reason),
+            reason="tool_outcome_unknown")
 
 
 def _error_text(err: BaseException) -> str:

@@ -9,9 +9,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, ParamSpec, TypeVar
 
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from dex_tasks.errors import ToolDefinitionError
+from dex_tasks.limits import TOOL_NAME_MAX, check_id
 from dex_tasks.policy import EffectClass, ToolPolicy, parse_effect
 
 P = ParamSpec("P")
@@ -46,7 +49,12 @@ def _format_validation_error(tool: str, err: ValidationError) -> str:
 
 
 class Tool(Generic[R]):
-    """A function registered with ``@tool``: callable as before, plus its policy and schema."""
+    """A registered tool: callable as before, plus its policy, schema and description.
+
+    Made by ``@tool`` from a Python function, whose signature gives the argument schema, or by
+    :func:`define_tool` from a name, a JSON schema and a function (for proxies whose tools are
+    only known at run time, such as an MCP server's).
+    """
 
     def __init__(
         self,
@@ -55,31 +63,49 @@ class Tool(Generic[R]):
         name: str,
         policy: ToolPolicy | None,
         hints: Mapping[str, Any] | None,
+        parameters: Mapping[str, Any] | None = None,
+        description: str | None = None,
     ) -> None:
+        check_id("tool name", name, TOOL_NAME_MAX, error=ToolDefinitionError)
         self.fn = fn
         self.name = name
         self.explicit_policy = policy
         self.hints = dict(hints) if hints else None
-        self.description = inspect.getdoc(fn)
-        self.arguments_model = _arguments_model(fn, name)
+        self.description = description if description is not None else inspect.getdoc(fn)
+        self.arguments_model: type[BaseModel] | None = None
+        self._validator: Draft202012Validator | None = None
+        if parameters is None:
+            self.arguments_model = _arguments_model(fn, name)
+            self._schema = self.arguments_model.model_json_schema()
+        else:
+            self._schema = _checked_schema(name, parameters)
+            self._validator = Draft202012Validator(self._schema)
         self.reconcile_fn: Callable[[str, dict[str, Any]], str | None] | None = None
-        self.__doc__ = fn.__doc__
+        self.__doc__ = self.description
         self.__name__ = getattr(fn, "__name__", name)
         self.__wrapped__ = fn
 
     def __call__(self, ctx: ToolContext, /, **arguments: Any) -> R:
+        if self._validator is not None:
+            # A schema tool's argument names are the schema's, not Python identifiers: it
+            # takes them as one dict.
+            return self.fn(ctx, dict(arguments))
         return self.fn(ctx, **arguments)
 
     @property
     def schema(self) -> dict[str, Any]:
-        """The JSON schema of the tool's keyword arguments."""
-        return self.arguments_model.model_json_schema()
+        """The JSON schema of the tool's arguments (an object schema)."""
+        return self._schema
 
     def validate(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
-        """Check arguments against the signature; return them coerced to the declared types.
+        """Check arguments against the schema; return them (coerced to the declared types for
+        a signature-made tool).
 
         Raises :class:`InvalidArguments` naming every field that is wrong.
         """
+        if self._validator is not None:
+            return validate_against_schema(self.name, self._validator, arguments)
+        assert self.arguments_model is not None
         try:
             model = self.arguments_model.model_validate(dict(arguments))
         except ValidationError as err:
@@ -155,21 +181,8 @@ def tool(
 
     def decorate(func: Callable[..., R]) -> Tool[R]:
         tool_name = name or func.__name__
-        explicit: ToolPolicy | None = None
-        tuning = (requires_approval, max_attempts, time_limit, approval_deadline)
-        if effect is not None:
-            explicit = ToolPolicy(
-                effect=parse_effect(effect),
-                requires_approval=requires_approval,
-                max_attempts=max_attempts,
-                time_limit=time_limit,  # type: ignore[arg-type]
-                approval_deadline=approval_deadline,  # type: ignore[arg-type]
-            )
-        elif any(v is not None for v in tuning):
-            raise ToolDefinitionError(
-                f"tool {tool_name!r}: requires_approval, max_attempts, time_limit and "
-                "approval_deadline are part of an explicit policy; give effect= too"
-            )
+        explicit = _explicit_policy(tool_name, effect, requires_approval, max_attempts,
+                                    time_limit, approval_deadline)
         registered = Tool(func, name=tool_name, policy=explicit, hints=hints)
         _REGISTRY[tool_name] = registered
         return registered
@@ -177,6 +190,93 @@ def tool(
     if fn is not None:
         return decorate(fn)
     return decorate
+
+
+def define_tool(
+    name: str,
+    parameters: Mapping[str, Any],
+    fn: Callable[[ToolContext, dict[str, Any]], R],
+    *,
+    description: str | None = None,
+    effect: EffectClass | str | None = None,
+    requires_approval: bool | None = None,
+    max_attempts: int | None = None,
+    time_limit: float | timedelta | None = None,
+    approval_deadline: float | timedelta | None = None,
+    hints: Mapping[str, Any] | None = None,
+) -> Tool[R]:
+    """Register a tool known only at run time: a name, a JSON schema and a function.
+
+    ``parameters`` is the JSON schema of the arguments (an object schema, draft 2020-12);
+    calls are validated against it. ``fn(ctx, arguments)`` receives the :class:`ToolContext`
+    and the arguments as one dict. The policy arguments are those of :func:`tool`; ``hints``
+    are MCP tool annotations, used only when no ``effect`` is given.
+    """
+    explicit = _explicit_policy(name, effect, requires_approval, max_attempts, time_limit,
+                                approval_deadline)
+    registered = Tool(fn, name=name, policy=explicit, hints=hints, parameters=parameters,
+                      description=description)
+    _REGISTRY[name] = registered
+    return registered
+
+
+def _explicit_policy(
+    tool_name: str,
+    effect: EffectClass | str | None,
+    requires_approval: bool | None,
+    max_attempts: int | None,
+    time_limit: float | timedelta | None,
+    approval_deadline: float | timedelta | None,
+) -> ToolPolicy | None:
+    if effect is not None:
+        return ToolPolicy(
+            effect=parse_effect(effect),
+            requires_approval=requires_approval,
+            max_attempts=max_attempts,
+            time_limit=time_limit,  # type: ignore[arg-type]
+            approval_deadline=approval_deadline,  # type: ignore[arg-type]
+        )
+    if any(v is not None for v in (requires_approval, max_attempts, time_limit,
+                                   approval_deadline)):
+        raise ToolDefinitionError(
+            f"tool {tool_name!r}: requires_approval, max_attempts, time_limit and "
+            "approval_deadline are part of an explicit policy; give effect= too"
+        )
+    return None
+
+
+def _checked_schema(tool_name: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
+    schema = dict(parameters)
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as err:
+        raise ToolDefinitionError(
+            f"tool {tool_name!r}: its parameters are not a valid JSON schema: {err.message}"
+        ) from None
+    if schema.get("type", "object") != "object":
+        raise ToolDefinitionError(
+            f"tool {tool_name!r}: its parameters schema must describe an object, "
+            f"got type {schema.get('type')!r}"
+        )
+    return schema
+
+
+def schema_validator(schema: Mapping[str, Any]) -> Draft202012Validator:
+    """A validator for a tool's published argument schema."""
+    return Draft202012Validator(dict(schema))
+
+
+def validate_against_schema(
+    tool_name: str, validator: Draft202012Validator, arguments: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``arguments`` if they satisfy the schema; else :class:`InvalidArguments` naming every
+    field that is wrong."""
+    errors = sorted(validator.iter_errors(dict(arguments)), key=lambda e: list(e.path))
+    if errors:
+        parts = [f"{'.'.join(str(p) for p in e.path) or '(arguments)'}: {e.message}"
+                 for e in errors]
+        raise InvalidArguments(f"invalid arguments for tool {tool_name!r}: " + "; ".join(parts))
+    return dict(arguments)
 
 
 def get_local_tool(name: str) -> Tool[Any] | None:

@@ -75,12 +75,14 @@ def after_worker_lost(
             status=CallStatus.FAILED,
             error=f"the tool could not finish in {attempts_used} attempts: {reason}",
         )
-    return Decision(
-        retry=False,
-        status=CallStatus.OUTCOME_UNKNOWN,
-        error=(
-            f"{OUTCOME_UNKNOWN_TOOL_RESULT}: {reason}. The tool may or may not have taken "
-            "effect; it will not be run again. Check with the service using the call's "
-            "idempotency key."
-        ),
+    return Decision(retry=False, status=CallStatus.OUTCOME_UNKNOWN,
+                    error=outcome_unknown_text(reason))
+
+
+def outcome_unknown_text(reason: str) -> str:
+    """The error of an ``outcome_unknown`` call, which the model reads: why, and what now."""
+    return (
+        f"{OUTCOME_UNKNOWN_TOOL_RESULT}: {reason}. The tool may or may not have taken "
+        "effect; it will not be run again. Check with the service using the call's "
+        "idempotency key."
     )

@@ -543,6 +543,12 @@ class Store:
                 count += 1
         return count
 
+    def list_catalog(self) -> list[CatalogRow]:
+        """Every published catalog entry, by name."""
+        with self.read() as conn:
+            rows = conn.execute(select(CATALOG).order_by(CATALOG.c.name)).mappings()
+            return [CatalogRow.model_validate(dict(r)) for r in rows]
+
     def get_catalog(self, name: str) -> CatalogRow | None:
         """The published catalog entry of one tool."""
         with self.read() as conn:
