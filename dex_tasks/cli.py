@@ -42,6 +42,11 @@ def check_log_format(value: str) -> str:
     return value
 
 
+def _secret_or_none(settings: DexSettings) -> str | None:
+    """The signing key for log redaction, if one is set (workers and beat need none)."""
+    return settings.secret_key.get_secret_value() if settings.secret_key else None
+
+
 def import_tool_modules(modules: str) -> list[str]:
     """Import ``a.b,c`` the way ``celery -A`` does, with the current directory on the path."""
     if os.getcwd() not in sys.path:
@@ -61,7 +66,7 @@ def worker(
 ) -> None:
     """Run a prefork Celery worker for the tools in MODULE[,MODULE]."""
     settings = DexSettings()
-    setup_process_logging(log_format, loglevel, settings.secret_key.get_secret_value(),
+    setup_process_logging(log_format, loglevel, _secret_or_none(settings),
                           celery=True)
     import_tool_modules(tools)
     store = Store(settings.database_url)
@@ -96,7 +101,7 @@ def beat(
     import beat_schedule
 
     settings = DexSettings()
-    setup_process_logging(log_format, loglevel, settings.secret_key.get_secret_value(),
+    setup_process_logging(log_format, loglevel, _secret_or_none(settings),
                           celery=True)
     celery = create_app(settings)
     celery.conf.beat_schedule = beat_schedule.build(settings)
@@ -114,11 +119,17 @@ def api(
 ) -> None:
     """Serve the HTTP API and the approval page (OpenAPI at /docs)."""
     from dex_tasks.api import serve
+    from dex_tasks.errors import ConfigurationError
 
     settings = DexSettings()
-    setup_process_logging(log_format, loglevel, settings.secret_key.get_secret_value(),
+    setup_process_logging(log_format, loglevel, _secret_or_none(settings),
                           celery=False)
-    serve(settings, host=host, port=port, log_level=loglevel.lower())
+    try:
+        serve(settings, host=host, port=port, log_level=loglevel.lower())
+    except ConfigurationError as err:
+        # Refuse to serve rather than sign with a guessable key; say what to set.
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command()
@@ -205,11 +216,11 @@ def token(
     from dex_tasks.tokens import issue_token
 
     settings = DexSettings()
-    secret = settings.secret_key.get_secret_value()
-    default = DexSettings.model_fields["secret_key"].default
-    if default is not None and secret == default.get_secret_value():
-        typer.echo("warning: DEX_SECRET_KEY is not set; this token is signed with the "
-                   "insecure development default", err=True)
+    try:
+        secret = settings.signing_key()
+    except DexError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
     try:
         typer.echo(issue_token(secret, session_id, ttl, approver))
     except DexError as err:

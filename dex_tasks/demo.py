@@ -98,7 +98,7 @@ class Agent:
         self.console = console
         self.client = DexClient(stack.settings)
         self.session = f"demo-{uuid.uuid4().hex[:8]}"
-        self.secret = stack.settings.secret_key.get_secret_value()
+        self.secret = stack.settings.signing_key()
         self.outcomes: list[Outcome] = []
         self.crashed_key = ""
         self._turns = 0

@@ -113,25 +113,50 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
-    """``2024-05-01 12:00:00,123 INFO logger message action=... key=...``, redacted."""
+    """``2024-05-01 12:00:00,123 INFO logger message action=... key=...``, redacted.
+
+    One record is one line: ids come from agents and may hold newlines or other control
+    characters, which would otherwise forge or split log lines. They are escaped (``\\n``)
+    in the message and in values; a value with spaces, quotes or ``=`` is quoted as JSON. Only
+    a traceback, which is multi-line by nature, follows on lines of its own.
+    """
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        line = redact(super().format(record))
+        message = escape_controls(redact(record.getMessage()))
+        line = f"{self.formatTime(record)} {record.levelname} {record.name} {message}"
         extras = extra_fields(record)
         if record.name.startswith("celery"):
             # Celery's ``data`` repeats what its message already says; JSON lines keep it.
             extras.pop("data", None)
         if extras:
             line += " " + " ".join(f"{k}={_text_value(v)}" for k, v in extras.items())
+        if record.exc_info:
+            line += "\n" + redact(self.formatException(record.exc_info))
+        elif record.exc_text:
+            line += "\n" + redact(record.exc_text)
+        if record.stack_info:
+            line += "\n" + redact(self.formatStack(record.stack_info))
         return line
+
+
+# C0 and C1 controls, DEL, and the Unicode line and paragraph separators.
+_CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with every control character written as an escape, so it stays on one line."""
+    return _CONTROLS.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 def _text_value(value: Any) -> str:
     text = value if isinstance(value, str) else json.dumps(value, default=str)
-    return json.dumps(text) if (" " in text or not text) else text
+    if not text or any(c in text for c in ' "=') or _CONTROLS.search(text):
+        # JSON escapes C0 controls and quotes; the rest (DEL, C1, U+2028) is escaped after.
+        return escape_controls(json.dumps(text, ensure_ascii=False))
+    return text
 
 
 def configure_logging(
@@ -178,9 +203,10 @@ def take_over_celery_logging() -> None:
 
 
 
-def setup_process_logging(fmt: str, level: str, secret_key: str, *, celery: bool) -> None:
+def setup_process_logging(fmt: str, level: str, secret_key: str | None, *,
+                          celery: bool) -> None:
     """What ``dex-tasks worker|beat|api`` do first: our handler, the signing key redacted,
     and (for Celery processes) Celery kept from replacing it."""
-    configure_logging(fmt, level, secrets=[secret_key])
+    configure_logging(fmt, level, secrets=[secret_key] if secret_key else [])
     if celery:
         take_over_celery_logging()

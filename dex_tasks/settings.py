@@ -5,6 +5,8 @@ from __future__ import annotations
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from dex_tasks.errors import ConfigurationError
+
 
 class DexSettings(BaseSettings):
     """Everything dex-tasks can be configured with.
@@ -22,9 +24,10 @@ class DexSettings(BaseSettings):
         default="sqlite:///dex_tasks.db",
         description="The store: sqlite:///path or postgresql+psycopg://....",
     )
-    secret_key: SecretStr = Field(
-        default=SecretStr("dev-insecure-secret-change-me"),
-        description="Signs approval tokens. Set it in production.",
+    secret_key: SecretStr | None = Field(
+        default=None,
+        description="Signs approval tokens; required by the API and `token` (no default: "
+        "a public default would let anyone forge tokens). `demo` makes its own.",
     )
     lease_seconds: float = Field(
         default=30.0, gt=0,
@@ -66,6 +69,18 @@ class DexSettings(BaseSettings):
         default=60.0, ge=0,
         description="Cap on the retry delay.",
     )
+
+
+    def signing_key(self) -> str:
+        """The token-signing secret; :class:`ConfigurationError` when it is not set."""
+        value = self.secret_key.get_secret_value() if self.secret_key is not None else ""
+        if not value:
+            raise ConfigurationError(
+                "DEX_SECRET_KEY is not set: it signs approval tokens, and there is no default "
+                "(anyone could forge tokens with a public one). Set it to a long random value, "
+                "e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+            )
+        return value
 
 
 def settings_help() -> str:

@@ -179,3 +179,19 @@ def test_api_access_log_redacts_approval_tokens(env: dict[str, str], tmp_path: P
     assert access and f"token={REDACTED}" in str(access[0]["message"])
     assert token not in text and token.split(".")[0] not in text
     assert SECRET not in text
+
+
+@pytest.mark.parametrize("key", ["s1/t\n2026-11-30 INFO forged line/c1", "s1/t\r2/c\u2028x",
+                                 "s1/t=2 x/c\x1b[31m"])
+def test_text_logs_keep_one_record_on_one_line(capture: io.StringIO, key: str) -> None:
+    # Ids come from agents: a newline in one must not split the record or forge another.
+    configure_logging("text", "INFO", stream=capture)
+    logging.getLogger("dex_tasks.test").info(f"claimed {key}", extra={"action": "claimed",
+                                                                      "key": key})
+    output = capture.getvalue()
+    assert output.endswith("\n") and output.count("\n") == 1
+    assert "\r" not in output and "\u2028" not in output and "\x1b" not in output
+    line = output.rstrip("\n")
+    assert "action=claimed" in line
+    # The value is quoted and escaped JSON: it reads back as the original id.
+    assert json.loads(line.split(" key=", 1)[1]) == key

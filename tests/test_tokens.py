@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import time
+from pathlib import Path
 
 import pytest
 from itsdangerous import URLSafeSerializer
@@ -21,6 +22,7 @@ from dex_tasks import (
     verify_token,
 )
 from dex_tasks.cli import app as cli_app
+from tests.helpers import free_port, start_process
 
 SECRET = "a-long-test-secret-0123456789"
 
@@ -130,9 +132,22 @@ def test_cli_prints_a_token_signed_with_the_configured_secret(env: dict[str, str
     assert bad.exit_code != 0 and "ttl_seconds" in bad.output
 
 
-def test_cli_warns_when_the_secret_is_the_insecure_default(env: dict[str, str]) -> None:
+def test_cli_refuses_to_sign_without_a_secret(env: dict[str, str]) -> None:
+    # There is no default secret: a public one would let anyone forge tokens.
     unset = {**env, "DEX_SECRET_KEY": None}
     result = CliRunner().invoke(cli_app, ["token", "s1"], env=unset)  # type: ignore[dict-item]
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 2
     assert "DEX_SECRET_KEY is not set" in result.stderr
-    assert result.stdout.count(".") == 1  # stdout carries the token alone
+    assert result.stdout == ""
+
+
+def test_api_refuses_to_serve_without_a_secret(env: dict[str, str], tmp_path: Path) -> None:
+    # Given `dex-tasks api` started with no DEX_SECRET_KEY
+    unset = {k: v for k, v in env.items() if k != "DEX_SECRET_KEY"}
+    port = free_port()
+    proc = start_process(["api", "--port", str(port)], unset, tmp_path / "api.log")
+    # Then it exits at once with an error that says what to set, having served nothing
+    assert proc.wait(60) == 2
+    log = (tmp_path / "api.log").read_text()
+    assert "DEX_SECRET_KEY is not set" in log
+    assert "Uvicorn running" not in log

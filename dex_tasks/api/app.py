@@ -286,6 +286,7 @@ def create_api(
     ``event_poll_seconds`` is how often an open event stream reads the store for new events;
     ``heartbeat_seconds`` how long a stream may stay silent before a keep-alive comment.
     """
+    secret = settings.signing_key()  # first: no API at all without a real signing key
     client = DexClient(settings)
 
     @asynccontextmanager
@@ -301,7 +302,7 @@ def create_api(
     )
     api.state.dex = ApiState(
         client=client,
-        secret=settings.secret_key.get_secret_value(),
+        secret=secret,
         streams=StreamCounter(),
         event_poll_seconds=event_poll_seconds,
         heartbeat_seconds=heartbeat_seconds,
