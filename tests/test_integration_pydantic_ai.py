@@ -181,13 +181,16 @@ def test_a_pending_approval_is_not_resumed_and_an_approved_one_runs_once(
     # A conversation id dex-tasks cannot take as it is ("/", over 200 characters): it is mapped,
     # the same way in the agent and when the keys are rebuilt from the saved history.
     conversation = "tenant/7/" + "x" * 250
-    script = Script([[call("refund_payment", REFUND)]])
+    # One response with two calls: the lookup runs at once, the refund waits for a person
+    script = Script([[call("lookup_order", {"order_id": "1001"}, call_id="call-0"),
+                      call("refund_payment", REFUND)]])
     dex = DexCapability(client)
     paused = run(agent_with(script, dex).run("Refund order 1001", conversation_id=conversation))
     history = paused.all_messages()
     assert isinstance(paused.output, DeferredToolRequests)
     session = paused.output.metadata["call-1"]["dex_session_id"]
-    [record] = client.get_agent_snapshot(session).tool_calls
+    record = next(c for c in client.get_agent_snapshot(session).tool_calls
+                  if c.tool == "refund_payment")
     assert "/" not in record.session_id and len(record.session_id) <= 200
     assert record.status is CallStatus.AWAITING_APPROVAL
 
@@ -203,16 +206,19 @@ def test_a_pending_approval_is_not_resumed_and_an_approved_one_runs_once(
     assert len(client.get_agent_snapshot(record.session_id).pending_interrupts) == 1
 
     assert client.resolve_interrupt(record.session_id, record.interrupt_id or "", True)
-    # The keys rebuilt from the history alone find the approved call
+    # The keys rebuilt from the history alone find the approved call (and only it: the
+    # lookup was answered before the run paused)
     results = run(dex_deferred_results(client, history))
+    assert list(results.approvals) == ["call-1"]
     assert isinstance(results.approvals["call-1"], ToolApproved)
     for _ in range(2):  # resuming the same step twice
         resumed = run(agent_with(script, dex).run(message_history=history,
                                                   deferred_tool_results=results))
         assert resumed.output == "done"
-    assert [p.content for p in script.read()] == [{"charge_id": "ch_1001",
-                                                   "refunded_cents": 4599}] * 2
+    refunded = {"charge_id": "ch_1001", "refunded_cents": 4599}
+    assert [p.content for p in script.read()] == [ORDER_1001, refunded] * 2
     assert executions(ledger_path, "refund_payment") == [record.key]
+    assert len(executions(ledger_path, "lookup_order")) == 1
 
 
 def test_a_call_that_outlasts_the_wait_is_deferred_and_resumed_without_running_again(

@@ -24,7 +24,8 @@ so a run resumed in another process from the saved history finds the same calls:
 
 * session: ``session_id=`` if given, else the Pydantic AI conversation id of the response that
   holds the call (``agent.run(..., conversation_id="ticket-42")`` chooses it; Pydantic AI stores
-  it on every message and a resumed run inherits it). Not ``run_id``: it changes on resume.
+  it on every message and a resumed run inherits it). Not ``run_id`` (what pydantic-ai PR
+  #7531 proposed keying on): a resumed run gets a new one.
 * turn: the model response's ``provider_response_id``; when the model gives none (the offline
   ``TestModel`` and ``FunctionModel`` do not), a hash of the response's timestamp and tool calls,
   which the saved history keeps exactly. Not the response's position in the history: trimming or
@@ -45,11 +46,11 @@ decides with ``resolve_interrupt``; a new process loads the history and resumes 
 dex-tasks under its key, so it runs once however often the resume is replayed; a rejected one is
 answered ``ToolDenied`` with the call's error (``APPROVAL_REJECTED ...`` and the person's
 message), which the model reads as the tool's result. A ``ToolApproved`` is never taken on
-trust: the call goes back to dex-tasks, whose record decides (a call dex-tasks still holds is
-deferred again; one it rejected returns its rejection). A tool the agent itself marks
-``requires_approval=True`` is deferred by Pydantic AI before dex-tasks sees the call: answer
-that approval as before (``dex_deferred_results`` leaves calls dex-tasks does not know out);
-dex-tasks' policy then applies as well.
+trust (pydantic-ai issue #5536): the call goes back to dex-tasks, whose record decides (a call
+dex-tasks still holds is deferred again; one it rejected returns its rejection). A tool the
+agent itself marks ``requires_approval=True`` is deferred by Pydantic AI before dex-tasks sees
+the call: answer that approval as before (``dex_deferred_results`` leaves calls dex-tasks does
+not know out); dex-tasks' policy then applies as well.
 
 **Results.** A call that succeeded returns its result to the model. A call that failed, was
 rejected or ended ``outcome_unknown`` raises Pydantic AI's ``ToolFailed`` with the call's
