@@ -9,8 +9,10 @@ Redis, the store and the workers are real. What each test shows:
 * a call that needs approval pauses the run; the agent process exits; a person approves; a new
   process resumes and the tool runs once, however often the resume is replayed (the example);
 * a rejection reaches the model as the tool's result, with the person's message;
-* a call the tool's input guardrails refuse is never put to a person;
-* approving in the SDK alone runs nothing: dex-tasks decides.
+* a call the tool's input guardrails refuse, or whose arguments the tool refuses, is never put
+  to a person;
+* approving in the SDK alone runs nothing: dex-tasks decides; interruptions of other tools are
+  left to the caller.
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ from agents import (
     ToolInputGuardrailData,
     ToolInputGuardrailTripwireTriggered,
     UserError,
+    function_tool,
     set_tracing_disabled,
     tool_input_guardrail,
 )
 from agents.items import TResponseOutputItem
 from agents.testing import ModelCall, ModelStep, ScriptedModel, assistant_message, function_call
 
-from dex_tasks import AsyncDexClient, CallStatus, DexClient, UnknownToolError
+from dex_tasks import TOOL_DID_NOT_RUN, AsyncDexClient, CallStatus, DexClient, UnknownToolError
 from dex_tasks.integrations.openai_agents import (
     apply_dex_decisions,
     dex_context,
@@ -340,3 +343,46 @@ def test_approving_in_the_sdk_alone_runs_nothing(client: DexClient, ledger_path:
     record = client.get_tool_call("sa/t1/call_refund")
     assert record.status is CallStatus.AWAITING_APPROVAL
     assert ledger.executions(ledger_path) == {}
+
+
+def test_arguments_the_tool_refuses_are_never_put_to_a_person(
+    client: DexClient, ledger_path: Path
+) -> None:
+    # No worker: nothing here may run. The model sends a string where the refund needs cents.
+    model = ScriptedModel([
+        [function_call("refund_payment", {"charge_id": "ch_4", "amount_cents": "lots"},
+                       call_id="call_refund")],
+        ModelStep.respond(lambda call: [assistant_message(tool_outputs(call)["call_refund"])]),
+    ])
+    agent = Agent(name="support", model=model, tools=dex_function_tools(client))
+    paused = run(agent, "Refund it", {"session_id": "sv", "turn_id": "t1"}).to_state()
+
+    assert asyncio.run(apply_dex_decisions(paused, client)) == []
+    assert client.get_agent_snapshot("sv").pending_interrupts == []
+    final = asyncio.run(Runner.run(agent, paused))
+    assert final.final_output.startswith(TOOL_DID_NOT_RUN) and "amount_cents" in final.final_output
+    assert client.get_tool_call("sv/t1/call_refund").status is CallStatus.FAILED
+    assert ledger.executions(ledger_path) == {}
+
+
+def test_interruptions_of_other_tools_are_left_to_the_caller(client: DexClient) -> None:
+    @function_tool(needs_approval=True)
+    def close_account(customer_id: str) -> str:
+        """Close a customer's account (a plain SDK tool, not a dex one)."""
+        return f"closed {customer_id}"
+
+    model = ScriptedModel([
+        [function_call("close_account", {"customer_id": "cus_9"}, call_id="call_close")],
+        [assistant_message("closed")],
+    ])
+    agent = Agent(name="support", model=model,
+                  tools=[*dex_function_tools(client, ["lookup_order"]), close_account])
+    paused = run(agent, "Close my account", {"session_id": "so", "turn_id": "t1"}).to_state()
+
+    # Undecided until the caller decides it on the state; dex-tasks records nothing for it.
+    (item,) = asyncio.run(apply_dex_decisions(paused, client))
+    assert item.name == "close_account"
+    assert client.get_agent_snapshot("so").tool_calls == []
+    paused.approve(item)
+    assert asyncio.run(apply_dex_decisions(paused, client)) == []
+    assert asyncio.run(Runner.run(agent, paused)).final_output == "closed"
