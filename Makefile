@@ -8,15 +8,15 @@ export DEX_TEST_POSTGRES_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/tes
 install:
 	python3 -m venv .venv
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e ".[dev,postgres]"
+	$(PY) -m pip install -e ".[dev,postgres,langchain]"
 
 ## make test: lint, then every test (real Redis, real workers, SQLite and PostgreSQL)
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint:
-	$(PY) -m ruff check dex_tasks workers tests bench chaos beat_schedule.py
-	$(PY) -m mypy dex_tasks workers bench chaos beat_schedule.py
+	$(PY) -m ruff check dex_tasks workers tests bench chaos examples beat_schedule.py
+	$(PY) -m mypy dex_tasks workers bench chaos examples beat_schedule.py
 
 worker:
 	.venv/bin/dex-tasks worker --tools workers.example_tools -c 2
