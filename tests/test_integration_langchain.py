@@ -22,6 +22,7 @@ import pytest
 from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import tool as lc_tool
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.types import Command
@@ -64,31 +65,36 @@ def run_python(args: list[str], env: dict[str, str], timeout: float = 90) -> str
     return done.stdout
 
 
+@lc_tool
+def lookup_order(order_id: str) -> str:
+    """Look up an order by id (the agent's own tool: under DexMiddleware a worker runs it)."""
+    raise AssertionError("the agent process ran a tool's code")
+
+
 def test_a_read_runs_on_a_worker_its_result_reaches_the_model_and_reused_call_ids_do_not_collide(
     client: DexClient, start_worker: StartWorker, ledger_path: Path
 ) -> None:
     start_worker()
-    # Given a fake model that, like many test models, gives every turn's call the id "call_1".
+    # Given an agent with its own tool and a fake model that, like many test models, gives
+    # every turn's call the id "call_1" (and once names a tool nobody has).
     model = ScriptedChatModel(messages=iter([
         ai(("lookup_order", {"order_id": "1001"}, "call_1")),
-        ai(("lookup_order", {"order_id": "1002"}, "call_1")),
+        ai(("lookup_order", {"order_id": "1002"}, "call_1"), ("lookup_pizza", {}, "call_2")),
         AIMessage("Both orders found."),
     ]))
-    agent = create_agent(model, tools=dex_tools(client, ["lookup_order"]),
-                         middleware=[DexMiddleware(client)], checkpointer=InMemorySaver())
+    agent = create_agent(model, tools=[lookup_order], middleware=[DexMiddleware(client)],
+                         checkpointer=InMemorySaver())
 
     result = agent.invoke({"messages": [("user", "Where are my orders?")]}, config_of("th-a"))
 
-    # The model was offered the catalog's tool, and read each result as the tool's message.
-    (offered,) = model.offered
-    assert offered["function"]["name"] == "lookup_order"
-    assert offered["function"]["description"] == "Look up an order by id."
-    assert offered["function"]["parameters"]["required"] == ["order_id"]
-    first, second = model.received[1][-1], model.received[2][-1]
+    # The model read each result as the tool's message.
+    first, (second, unknown) = model.received[1][-1], model.received[2][-2:]
     assert isinstance(first, ToolMessage) and isinstance(second, ToolMessage)
     assert json.loads(str(first.content)) == {"order_id": "1001", "status": "shipped",
                                               "total_cents": 4599}
     assert json.loads(str(second.content))["status"] == "processing"
+    assert isinstance(unknown, ToolMessage) and unknown.status == "error"
+    assert "unknown tool 'lookup_pizza'" in str(unknown.content)
     assert result["messages"][-1].content == "Both orders found."
     # Each call ran once, keyed by thread / AI message / tool-call id: the reused "call_1" of
     # two turns made two calls, not one call with conflicting arguments.
@@ -97,13 +103,21 @@ def test_a_read_runs_on_a_worker_its_result_reaches_the_model_and_reused_call_id
     assert first.artifact == {"key": keys[0], "status": "succeeded"}
     assert ledger.executions(ledger_path) == {keys[0]: 1, keys[1]: 1}
 
-    # The same tools in a graph without the middleware run their calls themselves, alike.
-    plain = create_agent(
-        ScriptedChatModel(messages=iter([ai(("lookup_order", {"order_id": "1001"}, "c9")),
-                                         AIMessage("ok")])),
-        tools=dex_tools(client, ["lookup_order"]), checkpointer=InMemorySaver())
+    # Catalog tools (this process has no code for them) in a graph without the middleware:
+    # the model is offered the published schema and docstring, and each tool runs its call
+    # through dex-tasks itself.
+    model = ScriptedChatModel(messages=iter([ai(("lookup_order", {"order_id": "1001"}, "c9")),
+                                             AIMessage("ok")]))
+    (tool,) = dex_tools(client, ["lookup_order"])
+    published = {spec.name: spec for spec in client.list_tools()}["lookup_order"]
+    assert tool.args_schema == published.parameters
+    plain = create_agent(model, tools=[tool], checkpointer=InMemorySaver())
     messages = plain.invoke({"messages": [("user", "again")]}, config_of("th-b"))["messages"]
-    assert json.loads(messages[2].content)["status"] == "shipped"
+    (offered,) = model.offered
+    assert offered["function"]["description"] == "Look up an order by id."
+    assert offered["function"]["parameters"]["required"] == ["order_id"]
+    assert set(offered["function"]["parameters"]["properties"]) == {"order_id", "sleep"}
+    assert json.loads(str(model.received[-1][-1].content))["status"] == "shipped"
     assert ledger.executions(ledger_path)[f"th-b/{ai_ids(messages)[0]}/c9"] == 1
 
 
@@ -239,6 +253,37 @@ def test_replaying_the_tool_step_from_its_checkpoint_never_starts_a_tool_twice(
     # Both calls went through the tool node again, twice; neither tool started again.
     assert middleware.runs - runs_before == {"call_1": 2, "call_2": 2}
     assert ledger.executions(ledger_path) == charged
+
+
+def test_a_tool_node_that_stops_waiting_is_re_invoked_and_waits_for_the_same_call(
+    client: DexClient, start_worker: StartWorker, ledger_path: Path
+) -> None:
+    start_worker()
+    model = ScriptedChatModel(messages=iter([
+        ai(("charge_card", {"customer_id": "cus_3", "amount_cents": 300, "sleep": 2.0},
+            "call_1")),
+        AIMessage("charged"),
+    ]))
+    agent = create_agent(model, tools=dex_tools(client),
+                         middleware=[DexMiddleware(client, wait_timeout=0.5)],
+                         checkpointer=InMemorySaver())
+    config = config_of("th-t")
+    with pytest.raises(TimeoutError, match="invoke the agent again"):
+        agent.invoke({"messages": [("user", "charge")]}, config)
+
+    # The charge goes on without the agent. Each re-invocation re-runs the tool step, which
+    # waits (half a second) on the same call, until it has ended.
+    def finished() -> dict[str, Any] | None:
+        try:
+            return agent.invoke(None, config)
+        except TimeoutError:
+            return None
+
+    result = wait_until(finished, 60, "the charge to end")
+    assert result["messages"][-1].content == "charged"
+    assert json.loads(str(model.received[-1][-1].content))["charged_cents"] == 300
+    key = f"th-t/{ai_ids(result['messages'])[0]}/call_1"
+    assert ledger.executions(ledger_path) == {key: 1}
 
 
 def test_an_agent_killed_while_its_tool_runs_is_re_invoked_without_running_the_tool_again(

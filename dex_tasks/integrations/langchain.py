@@ -33,6 +33,13 @@ The resume value only wakes the graph up: the decision recorded in dex-tasks is 
 counts, so a forged or stale resume value approves nothing (the graph pauses again while the
 call is undecided). A rejection reaches the model as the tool's result, carrying the person's
 message.
+
+A tool node that has waited ``wait_timeout`` seconds raises ``TimeoutError``; invoking the
+graph again (``agent.invoke(None, config)``) re-runs the node, which waits for the same call.
+Pass ``durability="sync"`` to ``invoke`` where a crash must never re-run the model: with
+LangGraph's default (``"async"``) the checkpoint holding the model's answer is written while
+the tools already run, so a process killed in those milliseconds re-asks the model, and its
+new answer's calls are new calls (``"exit"`` widens that window to the whole run).
 """
 
 from __future__ import annotations
@@ -213,11 +220,15 @@ class _Runner:
             raise InvalidArgumentError(
                 f"client must be a DexClient or an AsyncDexClient, got {type(client).__name__}"
             )
-        if not isinstance(wait_timeout, int | float) or wait_timeout <= 0:
+        if isinstance(wait_timeout, bool) or not isinstance(wait_timeout, int | float) \
+                or wait_timeout <= 0:
             raise InvalidArgumentError(f"wait_timeout must be a positive number of seconds, "
                                        f"got {wait_timeout!r}")
         self.wait_timeout = float(wait_timeout)
         self.default_effect = default_effect
+        # LangGraph runs a step's tool calls in threads: create the client's Celery app now,
+        # as DexClient.app would lazily, so that two threads never race to build two.
+        _ = self.sync.app
 
     @property
     def aclient(self) -> AsyncDexClient:
