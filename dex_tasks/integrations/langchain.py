@@ -1,0 +1,428 @@
+"""LangChain / LangGraph: every tool call of a ``create_agent`` agent runs through dex-tasks.
+
+    from dex_tasks import DexClient
+    from dex_tasks.integrations.langchain import DexMiddleware, dex_tools
+
+    client = DexClient.from_env()
+    agent = create_agent(model, tools=dex_tools(client), middleware=[DexMiddleware(client)],
+                         checkpointer=checkpointer)
+
+:class:`DexMiddleware` sends each tool call the model makes to ``client.call_tool`` and waits
+for its record; the tool itself runs on a dex-tasks worker. :func:`dex_tools` builds LangChain
+tools from the catalog the workers published (the JSON schema of each tool's arguments, its
+docstring as the description), so the agent process need not import any tool code. An agent
+that keeps its own LangChain tools adds only the middleware: the workers must serve tools of the
+same names.
+
+Idempotency keys come from ids LangGraph keeps in the checkpoint: the session is the thread id,
+the turn is the id of the AI message that holds the call, and the call is the model's tool-call
+id. LangGraph re-runs a node from its start when a run resumes, is replayed from a checkpoint,
+or is re-invoked after a crash; the same ids give the same key, so the tool does not start
+again: the node reads the call's record instead. (A fake model that reuses tool-call ids across
+turns does not collide either, since each turn is its own AI message.)
+
+A call that needs approval pauses the graph with LangGraph's ``interrupt()``, whose value is
+the dex interrupt: ``{"type": "dex_approval", "interrupt_id", "session_id", "key", "tool",
+"arguments", "effect", "tool_call_id"}``. The agent process may exit. Once someone has called
+``resolve_interrupt`` (Python, the CLI, the HTTP API or the approval page), any process with the
+same checkpointer resumes the graph::
+
+    agent.invoke(resume_command(agent.get_state(config)), config)
+
+The resume value only wakes the graph up: the decision recorded in dex-tasks is the one that
+counts, so a forged or stale resume value approves nothing (the graph pauses again while the
+call is undecided). A rejection reaches the model as the tool's result, carrying the person's
+message.
+
+A tool node that has waited ``wait_timeout`` seconds raises ``TimeoutError``; invoking the
+graph again (``agent.invoke(None, config)``) re-runs the node, which waits for the same call.
+Pass ``durability="sync"`` to ``invoke`` where a crash must never re-run the model: with
+LangGraph's default (``"async"``) the checkpoint holding the model's answer is written while
+the tools already run, so a process killed in those milliseconds re-asks the model, and its
+new answer's calls are new calls (``"exit"`` widens that window to the whole run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+try:
+    from langchain.agents.middleware import AgentMiddleware, AgentState, ToolCallRequest
+    from langchain_core.messages import AIMessage, ToolCall, ToolMessage
+    from langchain_core.runnables import RunnableConfig
+    from langchain_core.tools import BaseTool, StructuredTool
+    from langgraph.prebuilt import ToolRuntime
+    from langgraph.types import Command, StateSnapshot, interrupt
+except ImportError as err:  # pragma: no cover - exercised by a subprocess test
+    raise ImportError(
+        'dex_tasks.integrations.langchain needs the langchain extra: '
+        'pip install "dex-tasks[langchain]"'
+    ) from err
+
+from dex_tasks import (
+    AsyncDexClient,
+    CallStatus,
+    DexClient,
+    EffectClass,
+    InvalidArgumentError,
+    InvalidCallError,
+    ToolCallRecord,
+    ToolSpec,
+    UnknownToolError,
+)
+
+__all__ = ["DEX_APPROVAL", "DexMiddleware", "dex_tools", "key_part", "resume_command"]
+
+DEX_APPROVAL = "dex_approval"
+"""The ``type`` of every interrupt value this adapter raises."""
+
+DEFAULT_WAIT_TIMEOUT = 300.0
+"""Seconds a tool node waits for a call's result before it raises ``TimeoutError``."""
+
+# A framework id is used as it is when it is short and holds nothing the key format refuses;
+# otherwise it is mapped to a readable prefix and a hash of the whole id, the same every time.
+# 160 characters each keeps the three parts and their separators within the 512-character key.
+_PLAIN_ID = re.compile(r"[^/\x00-\x1f\x7f]{1,160}")
+_PREFIX_CHARS = 100
+
+
+def key_part(value: str) -> str:
+    """The dex id for a LangGraph id (a thread id, a message id, a tool-call id).
+
+    The id itself when it is at most 160 characters without ``/`` or control characters;
+    otherwise its first 100 characters (``/`` and control characters made ``_``), ``~`` and 32
+    hex digits of its SHA-256, so the same framework id always gives the same key.
+    """
+    if _PLAIN_ID.fullmatch(value) and _encodable(value):
+        return value
+    readable = re.sub(r"[/\x00-\x1f\x7f]", "_", value[:_PREFIX_CHARS])
+    readable = readable.encode("utf-8", "replace").decode("utf-8")
+    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return f"{readable}~{digest}"
+
+
+def _encodable(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class _CallIds:
+    session_id: str
+    turn_id: str
+    tool_call_id: str
+
+
+def _call_ids(call: ToolCall, state: Any, config: RunnableConfig) -> _CallIds:
+    """session = the thread id, turn = the AI message holding the call, call = its id."""
+    thread_id = (config.get("configurable") or {}).get("thread_id")
+    if thread_id is None or thread_id == "":
+        raise InvalidCallError(
+            "dex_tasks.integrations.langchain needs a thread id (it is the dex session): "
+            "invoke the agent with config={'configurable': {'thread_id': ...}} and give it a "
+            "checkpointer"
+        )
+    call_id = call.get("id")
+    if not call_id:
+        raise InvalidCallError(
+            f"the model's call of tool {call['name']!r} has no id: dex-tasks keys each call "
+            "by its tool-call id"
+        )
+    message = _message_holding(call_id, _messages_of(state))
+    if message is None or not message.id:
+        raise InvalidCallError(
+            f"no AI message with an id in the graph state holds tool call {call_id!r}: its "
+            "id is the dex turn id"
+        )
+    return _CallIds(key_part(str(thread_id)), key_part(message.id), key_part(call_id))
+
+
+def _messages_of(state: Any) -> Sequence[Any]:
+    if isinstance(state, dict):
+        return state.get("messages") or ()
+    if isinstance(state, list):
+        return state
+    return getattr(state, "messages", None) or ()
+
+
+def _message_holding(call_id: str, messages: Sequence[Any]) -> AIMessage | None:
+    # Newest first: a model that reuses tool-call ids across turns reuses them in older
+    # messages, and the tool node only ever runs the calls of the latest one.
+    for message in reversed(messages):
+        if isinstance(message, AIMessage) and any(
+            c.get("id") == call_id for c in message.tool_calls
+        ):
+            return message
+    return None
+
+
+def _interrupt_value(record: ToolCallRecord, call: ToolCall) -> dict[str, Any]:
+    return {
+        "type": DEX_APPROVAL,
+        "interrupt_id": record.interrupt_id,
+        "session_id": record.session_id,
+        "key": record.key,
+        "tool": record.tool,
+        "arguments": record.arguments,
+        "effect": record.effect.value,
+        "tool_call_id": call.get("id"),
+    }
+
+
+def _tool_message(record: ToolCallRecord, call: ToolCall) -> ToolMessage:
+    """What the model reads: the result, or the error (a rejection carries the person's
+    message; a call that never reached the tool says it is safe to call again)."""
+    if record.status is CallStatus.SUCCEEDED:
+        result = record.result
+        content = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
+        status = "success"
+    else:
+        content = record.error or f"the tool call ended {record.status.value}"
+        status = "error"
+    return ToolMessage(
+        content=content,
+        tool_call_id=call.get("id") or "",
+        name=call["name"],
+        status=status,
+        artifact={"key": record.key, "status": record.status.value},
+    )
+
+
+def _unknown_tool_message(call: ToolCall, err: UnknownToolError) -> ToolMessage:
+    return ToolMessage(content=f"Error: {err}", tool_call_id=call.get("id") or "",
+                       name=call["name"], status="error")
+
+
+class _Runner:
+    """Runs one model tool call through dex-tasks, from a sync or an async graph."""
+
+    def __init__(
+        self,
+        client: DexClient | AsyncDexClient,
+        wait_timeout: float,
+        default_effect: EffectClass | str | None,
+    ) -> None:
+        if isinstance(client, AsyncDexClient):
+            self.sync: DexClient = client.sync
+            self._async: AsyncDexClient | None = client
+        elif isinstance(client, DexClient):
+            self.sync = client
+            self._async = None
+        else:
+            raise InvalidArgumentError(
+                f"client must be a DexClient or an AsyncDexClient, got {type(client).__name__}"
+            )
+        if isinstance(wait_timeout, bool) or not isinstance(wait_timeout, int | float) \
+                or wait_timeout <= 0:
+            raise InvalidArgumentError(f"wait_timeout must be a positive number of seconds, "
+                                       f"got {wait_timeout!r}")
+        self.wait_timeout = float(wait_timeout)
+        self.default_effect = default_effect
+        # LangGraph runs a step's tool calls in threads: create the client's Celery app now,
+        # as DexClient.app would lazily, so that two threads never race to build two.
+        _ = self.sync.app
+
+    @property
+    def aclient(self) -> AsyncDexClient:
+        if self._async is None:
+            self._async = AsyncDexClient(client=self.sync)
+        return self._async
+
+    def run(self, call: ToolCall, state: Any, config: RunnableConfig) -> ToolMessage:
+        ids = _call_ids(call, state, config)
+        record = self.sync.call_tool(
+            session_id=ids.session_id, turn_id=ids.turn_id, tool_call_id=ids.tool_call_id,
+            tool=call["name"], arguments=call["args"], default_effect=self.default_effect,
+        )
+        # The first pass pauses the graph here. A resumed (re-run) node gets the same record
+        # back from call_tool; if it is still undecided, the resume value was premature or
+        # forged: interrupt again, which pauses the graph anew.
+        while record.status is CallStatus.AWAITING_APPROVAL:
+            interrupt(_interrupt_value(record, call))
+            record = self.sync.get_tool_call(record.key)
+        if not record.terminal:
+            record = self._wait(record.key)
+        return _tool_message(record, call)
+
+    async def arun(self, call: ToolCall, state: Any, config: RunnableConfig) -> ToolMessage:
+        ids = _call_ids(call, state, config)
+        client = self.aclient
+        record = await client.call_tool(
+            session_id=ids.session_id, turn_id=ids.turn_id, tool_call_id=ids.tool_call_id,
+            tool=call["name"], arguments=call["args"], default_effect=self.default_effect,
+        )
+        while record.status is CallStatus.AWAITING_APPROVAL:  # see run()
+            interrupt(_interrupt_value(record, call))
+            record = await client.get_tool_call(record.key)
+        if not record.terminal:
+            try:
+                record = await client.wait(record.key, self.wait_timeout)
+            except TimeoutError as err:
+                raise _still_running(record.key, self.wait_timeout) from err
+        return _tool_message(record, call)
+
+    def _wait(self, key: str) -> ToolCallRecord:
+        try:
+            return self.sync.wait(key, self.wait_timeout)
+        except TimeoutError as err:
+            raise _still_running(key, self.wait_timeout) from err
+
+
+def _still_running(key: str, timeout: float) -> TimeoutError:
+    # Raised rather than told to the model: the call is still going and will end on its own.
+    # Re-invoking the graph (agent.invoke(None, config)) re-runs the tool node, which finds
+    # the same call by its key and waits again; nothing runs twice.
+    return TimeoutError(
+        f"tool call {key!r} has not ended after {timeout}s; invoke the agent again with the "
+        "same thread id (agent.invoke(None, config)) to keep waiting: the call will not run "
+        "twice"
+    )
+
+
+class DexMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
+    """Runs every tool call of a ``langchain.agents.create_agent`` agent through dex-tasks.
+
+    ``create_agent(model, tools, middleware=[DexMiddleware(client)], checkpointer=...)``: each
+    call the model makes is recorded with ``client.call_tool`` under the key
+    ``thread id / AI message id / tool-call id`` and run by a worker; the tool node waits up to
+    ``wait_timeout`` seconds for its result, which becomes the ``ToolMessage`` the model reads
+    (a failure, a rejection or an unknown outcome becomes an error ``ToolMessage`` with the
+    call's error). A call that needs approval pauses the graph with ``interrupt()``; resume it
+    with :func:`resume_command` once the call is decided. ``default_effect`` is the session's
+    default effect class for tools with neither a policy nor MCP hints.
+
+    The agent's own tools (if any) only tell the model what it may call; their code is not run
+    in the agent process. A call of a tool the agent does not have and the workers do not serve
+    is answered with an error ``ToolMessage``, as LangGraph answers an unknown tool name.
+    """
+
+    def __init__(
+        self,
+        client: DexClient | AsyncDexClient,
+        *,
+        wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
+        default_effect: EffectClass | str | None = None,
+    ) -> None:
+        super().__init__()
+        self._runner = _Runner(client, wait_timeout, default_effect)
+
+    def wrap_tool_call(
+        self,
+        request: ToolCallRequest,
+        handler: Callable[[ToolCallRequest], ToolMessage | Command[Any]],
+    ) -> ToolMessage | Command[Any]:
+        """Run the call through dex-tasks (``handler``, the in-process tool, is not called)."""
+        try:
+            return self._runner.run(request.tool_call, request.state, request.runtime.config)
+        except UnknownToolError as err:
+            if request.tool is not None:
+                raise  # the agent has the tool but no worker serves it: a deployment error
+            return _unknown_tool_message(request.tool_call, err)
+
+    async def awrap_tool_call(
+        self,
+        request: ToolCallRequest,
+        handler: Callable[[ToolCallRequest], Awaitable[ToolMessage | Command[Any]]],
+    ) -> ToolMessage | Command[Any]:
+        """The async form of :meth:`wrap_tool_call`, for ``ainvoke`` and ``astream``."""
+        try:
+            return await self._runner.arun(
+                request.tool_call, request.state, request.runtime.config
+            )
+        except UnknownToolError as err:
+            if request.tool is not None:
+                raise
+            return _unknown_tool_message(request.tool_call, err)
+
+
+def dex_tools(
+    client: DexClient | AsyncDexClient,
+    names: Iterable[str] | None = None,
+    *,
+    wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
+    default_effect: EffectClass | str | None = None,
+) -> list[BaseTool]:
+    """LangChain tools for the tools the workers published (all of them, or ``names``).
+
+    Each is a ``StructuredTool`` whose argument schema is the tool's published JSON schema and
+    whose description is its docstring, so the agent process needs none of the tools' code.
+    Under :class:`DexMiddleware` the middleware runs their calls; in a graph without it (a
+    LangGraph ``ToolNode``), each tool runs its call through dex-tasks itself, the same way and
+    under the same key. Raises :class:`UnknownToolError` for a name no worker published.
+    """
+    runner = _Runner(client, wait_timeout, default_effect)
+    specs = {spec.name: spec for spec in runner.sync.list_tools(default_effect)}
+    if names is None:
+        chosen = list(specs.values())
+    else:
+        if isinstance(names, str):
+            raise InvalidArgumentError(f"names must be a list of tool names, got the string "
+                                       f"{names!r}")
+        chosen = []
+        for name in names:
+            if name not in specs:
+                raise UnknownToolError(name)
+            chosen.append(specs[name])
+    return [_structured_tool(spec, runner) for spec in chosen]
+
+
+def _structured_tool(spec: ToolSpec, runner: _Runner) -> StructuredTool:
+    def call_of(runtime: ToolRuntime | None, arguments: dict[str, Any]) -> ToolCall:
+        if runtime is None or not runtime.tool_call_id:
+            raise InvalidCallError(
+                f"dex tool {spec.name!r} runs inside a LangGraph graph, called by a model: "
+                "its key comes from the thread id, the AI message and the tool-call id"
+            )
+        return ToolCall(name=spec.name, args=arguments, id=runtime.tool_call_id,
+                        type="tool_call")
+
+    # LangGraph's ToolNode injects ``runtime`` (it looks for a parameter of that name); the
+    # model's arguments arrive as keywords, unchecked here: the worker checks them against
+    # the schema (and call_tool does, before anyone is asked to approve).
+    def run(runtime: ToolRuntime | None = None, **arguments: Any) -> ToolMessage:
+        call = call_of(runtime, arguments)
+        assert runtime is not None
+        return runner.run(call, runtime.state, runtime.config)
+
+    async def arun(runtime: ToolRuntime | None = None, **arguments: Any) -> ToolMessage:
+        call = call_of(runtime, arguments)
+        assert runtime is not None
+        return await runner.arun(call, runtime.state, runtime.config)
+
+    return StructuredTool(
+        name=spec.name,
+        description=spec.description or spec.name,
+        args_schema=spec.parameters,
+        func=run,
+        coroutine=arun,
+        metadata={"dex_effect": spec.policy.effect.value,
+                  "dex_needs_approval": spec.policy.needs_approval},
+    )
+
+
+def resume_command(state: StateSnapshot) -> Command[Any]:
+    """The ``Command`` that wakes every dex approval pending in ``state`` (from
+    ``agent.get_state(config)``): ``agent.invoke(resume_command(agent.get_state(config)),
+    config)``.
+
+    It names each pending dex interrupt by its LangGraph id (LangGraph needs that when several
+    are pending) and leaves other interrupts alone. Calls decided in dex-tasks continue; calls
+    still undecided pause the graph again. Raises ``InvalidArgumentError`` when no dex approval
+    is pending.
+    """
+    pending = {
+        item.id: {"type": "dex_wake_up"}
+        for item in state.interrupts
+        if isinstance(item.value, dict) and item.value.get("type") == DEX_APPROVAL
+    }
+    if not pending:
+        raise InvalidArgumentError("no dex approval is pending in this graph state")
+    return Command(resume=pending)
