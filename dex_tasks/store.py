@@ -99,7 +99,7 @@ def _sqlite_engine(url: str, *, immediate: bool) -> Engine:
     return engine
 
 
-_DELIVERY_LOCK_SPACE = 0x64657801  # the first key of dex-tasks' message-delivery advisory locks
+_DELIVERY_LOCK_SPACE = 0x64657801  # the first key of dex-tasks' per-session message locks
 _OPEN_STATUSES = [CallStatus.AWAITING_APPROVAL.value, CallStatus.QUEUED.value,
                   CallStatus.RUNNING.value]
 
