@@ -13,6 +13,8 @@ from typing import TypeVar
 
 import redis
 
+from dex_tasks import AgentSnapshot, MessageRole, SessionMessage
+
 # Re-exported for the tests, which import them from here.
 from dex_tasks.procutil import children_of as children_of
 from dex_tasks.procutil import dex_command as dex_command
@@ -156,3 +158,13 @@ def start_process(args: list[str], env: dict[str, str], log_path: Path) -> subpr
         )
     finally:
         log.close()
+
+
+def user_messages(snapshot: AgentSnapshot) -> list[SessionMessage]:
+    """The user messages of a session's transcript, oldest first."""
+    return [m for m in snapshot.messages if m.role is MessageRole.USER]
+
+
+def tool_messages(snapshot: AgentSnapshot) -> list[SessionMessage]:
+    """The tool messages of a session's transcript, oldest first."""
+    return [m for m in snapshot.messages if m.role is MessageRole.TOOL]
