@@ -21,7 +21,7 @@ from dex_tasks.errors import (
     UnknownToolError,
 )
 from dex_tasks.policy import EffectClass, InvalidPolicyError, ToolPolicy
-from dex_tasks.reconcile import report_unknown_outcomes
+from dex_tasks.reconcile import report_unknown_outcomes, report_unknown_outcomes_sync
 from dex_tasks.records import (
     AgentSnapshot,
     CallEvent,
@@ -32,7 +32,12 @@ from dex_tasks.records import (
 )
 from dex_tasks.registry import Tool, ToolContext, tool
 from dex_tasks.settings import DexSettings
-from dex_tasks.states import OUTCOME_UNKNOWN_TOOL_RESULT, TOOL_DID_NOT_RUN, CallStatus
+from dex_tasks.states import (
+    OUTCOME_UNKNOWN_TOOL_RESULT,
+    TOOL_DID_NOT_RUN,
+    CallStatus,
+    MessageRole,
+)
 from dex_tasks.tokens import TokenClaims, issue_token, verify_token
 
 __all__ = [
@@ -58,6 +63,7 @@ __all__ = [
     "InvalidCallError",
     "InvalidPolicyError",
     "InvalidTokenError",
+    "MessageRole",
     "PendingInterrupt",
     "SessionMessage",
     "StoreUnavailableError",
@@ -72,6 +78,7 @@ __all__ = [
     "idempotency_key",
     "issue_token",
     "report_unknown_outcomes",
+    "report_unknown_outcomes_sync",
     "tool",
     "verify_token",
 ]

@@ -1,4 +1,4 @@
-"""Approvals: interrupts, their decisions and deadlines, and the user messages of a session.
+"""Approvals: interrupts, their decisions and deadlines; the session snapshot.
 
 A call that needs approval is stored ``awaiting_approval`` with an interrupt row (see
 ``DexClient.call_tool``); no Celery message exists for it, so it holds no worker and survives
@@ -16,9 +16,8 @@ Both sides of a race (two people, a person and the sweep, two sweeps) guard on
 ``decision IS NULL`` in the same row, so exactly one wins.
 
 Turns and messages: a user message sent while a turn of the session is open (one of its calls
-is awaiting approval, queued or running) is stored ``queued``; the store delivers it in the
-transaction that ends the turn's last call (``store.deliver_ready_messages``, called by every
-terminal transition, whatever code made it). The ``deliver_messages`` sweep is a safety net.
+is awaiting approval, queued or running) is stored ``queued`` and delivered when the turn ends;
+see ``transcript.py``.
 """
 
 from __future__ import annotations
@@ -31,22 +30,17 @@ from datetime import UTC, datetime
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import Select, Update, insert, or_, select, update
-from sqlalchemy.engine import Connection, CursorResult
+from sqlalchemy import Select, Update, or_, select, update
+from sqlalchemy.engine import CursorResult
 
 from dex_tasks.celery_app import publish
 from dex_tasks.errors import InvalidArgumentError
 from dex_tasks.models import InterruptRow, ToolCallRow
 from dex_tasks.policy import EffectClass
-from dex_tasks.records import (
-    AgentSnapshot,
-    Decision,
-    PendingInterrupt,
-    SessionMessage,
-    ToolCallRecord,
-)
+from dex_tasks.records import AgentSnapshot, Decision, PendingInterrupt, ToolCallRecord
 from dex_tasks.states import CallStatus
-from dex_tasks.store import CALLS, INTERRUPTS, MESSAGES, Store, deliver_ready_messages
+from dex_tasks.store import CALLS, INTERRUPTS, Store
+from dex_tasks.transcript import session_messages
 
 log = logging.getLogger("dex_tasks.approvals")
 
@@ -267,61 +261,8 @@ def _expire_batch(store: Store, now: float, batch: int) -> tuple[int, bool]:
     return len(rows), through is not None
 
 
-# -- messages -----------------------------------------------------------------------------------
-
-
-def send_user_message(
-    store: Store, session_id: str, text: str, now: float | None = None
-) -> SessionMessage:
-    """Store a user message; ``delivered`` at once unless a turn of the session is open.
-
-    Queued messages are delivered by the transaction that ends the turn's last call.
-    """
-    _require_str("session_id", session_id)
-    _require_str("text", text)
-    if not session_id:
-        raise InvalidArgumentError("session_id must be a non-empty string")
-    if not text:
-        raise InvalidArgumentError("text must be a non-empty string")
-    now = time.time() if now is None else now
-    with store.write() as conn:
-        message_id = add_message(conn, session_id, text, now)
-        row = dict(conn.execute(
-            select(MESSAGES).where(MESSAGES.c.id == message_id)).mappings().one())
-    message = _message(row)
-    log.info("user message stored", extra={"action": "user_message", "session_id": session_id,
-                                           "message_id": message.id, "status": message.status})
-    return message
-
-
-def add_message(conn: Connection, session_id: str, text: str, now: float) -> int:
-    """Insert a user message in the caller's transaction and deliver it if no turn holds it;
-    returns its id. For code that must commit a message together with its own rows."""
-    message_id = int(conn.execute(
-        insert(MESSAGES)
-        .values(session_id=session_id, text=text, status="queued", created_at=now)
-        .returning(MESSAGES.c.id)
-    ).scalar_one())
-    deliver_ready_messages(conn, now, session_id)
-    return message_id
-
-
-def deliver_messages(store: Store, now: float | None = None) -> int:
-    """Deliver every queued message whose turn is over (the sweep's safety net)."""
-    now = time.time() if now is None else now
-    with store.write() as conn:
-        return deliver_ready_messages(conn, now)
-
-
 def _rows(result: CursorResult[Any]) -> list[dict[str, Any]]:
     return [dict(r) for r in result.mappings()]
-
-
-def _message(row: Mapping[str, Any]) -> SessionMessage:
-    return SessionMessage(
-        id=row["id"], session_id=row["session_id"], text=row["text"], status=row["status"],
-        created_at=_dt(row["created_at"]), delivered_at=_dt(row["delivered_at"]),
-    )
 
 
 # -- views --------------------------------------------------------------------------------------
@@ -352,7 +293,7 @@ def _decided(interrupt: Mapping[str, Any], call: Mapping[str, Any]) -> Decision:
 
 
 def session_snapshot(store: Store, session_id: str, now: float | None = None) -> AgentSnapshot:
-    """The session as one consistent read: calls, messages, pending and decided approvals.
+    """The session as one consistent read: calls, transcript, pending and decided approvals.
 
     An undecided interrupt whose deadline has passed is in neither list: it can no longer be
     approved, and the next deadline sweep moves it to ``decided`` as expired.
@@ -367,9 +308,7 @@ def session_snapshot(store: Store, session_id: str, now: float | None = None) ->
             select(INTERRUPTS).where(INTERRUPTS.c.session_id == session_id)
             .order_by(INTERRUPTS.c.created_at, INTERRUPTS.c.interrupt_id)
         ))
-        messages = _rows(conn.execute(
-            select(MESSAGES).where(MESSAGES.c.session_id == session_id).order_by(MESSAGES.c.id)
-        ))
+        messages = session_messages(conn, session_id)
     by_key = {c["key"]: c for c in calls}
     pending = [_pending(i, by_key[i["key"]]) for i in interrupts
                if i["key"] in by_key and _open(i, now)]
@@ -381,7 +320,7 @@ def session_snapshot(store: Store, session_id: str, now: float | None = None) ->
     return AgentSnapshot(
         session_id=session_id,
         tool_calls=[ToolCallRecord.from_row(ToolCallRow.model_validate(dict(c))) for c in calls],
-        messages=[_message(m) for m in messages],
+        messages=messages,
         pending_interrupts=pending,
         decided=decided,
     )

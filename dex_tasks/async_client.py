@@ -19,7 +19,7 @@ from typing import Any
 
 from dex_tasks.client import DexClient
 from dex_tasks.policy import EffectClass
-from dex_tasks.records import AgentSnapshot, CallEvent, ToolCallRecord
+from dex_tasks.records import AgentSnapshot, CallEvent, SessionMessage, ToolCallRecord
 from dex_tasks.settings import DexSettings
 
 
@@ -134,9 +134,17 @@ class AsyncDexClient:
             )
         )
 
-    async def send_user_message(self, session_id: str, text: str) -> dict[str, Any]:
-        """Send a user message into the session; see :meth:`DexClient.send_user_message`."""
+    async def send_user_message(self, session_id: str, text: str) -> bool:
+        """Send a user message into the session's transcript; True once it is stored (see
+        :meth:`DexClient.send_user_message` for the one case that returns False)."""
         return await asyncio.to_thread(self.sync.send_user_message, session_id, text)
+
+    async def add_assistant_message(
+        self, session_id: str, turn_id: str, text: str
+    ) -> SessionMessage:
+        """Record the model's own text of turn ``turn_id`` in the session's transcript."""
+        return await asyncio.to_thread(self.sync.add_assistant_message, session_id, turn_id,
+                                       text)
 
     async def events(self, session_id: str, after: int = 0) -> list[CallEvent]:
         """The session's events after cursor ``after`` (an event's ``id``)."""

@@ -11,12 +11,12 @@ from typing import Any, cast
 
 from celery import Celery
 
-from dex_tasks import approvals, catalog
+from dex_tasks import approvals, catalog, transcript
 from dex_tasks.celery_app import create_app, publish
 from dex_tasks.errors import CallNotFoundError, ConflictError, DexError, UnknownToolError
 from dex_tasks.models import ToolCallRow
 from dex_tasks.policy import EffectClass, ToolPolicy, resolve_policy, seconds
-from dex_tasks.records import AgentSnapshot, CallEvent, ToolCallRecord
+from dex_tasks.records import AgentSnapshot, CallEvent, SessionMessage, ToolCallRecord
 from dex_tasks.registry import InvalidArguments, canonical_json
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
@@ -260,9 +260,10 @@ class DexClient:
             pause = min(pause * 2, 0.2)
 
     def get_agent_snapshot(self, session_id: str) -> AgentSnapshot:
-        """The session as one consistent read: ``.tool_calls``, ``.messages`` (queued or
-        delivered), ``.pending_interrupts`` (approvals waiting, deadline not passed) and
-        ``.decided`` (who decided each past approval, when, and why)."""
+        """The session as one consistent read: ``.tool_calls``, ``.messages`` (the transcript:
+        user, assistant and tool messages, oldest first), ``.pending_interrupts`` (approvals
+        waiting, deadline not passed) and ``.decided`` (who decided each past approval, when,
+        and why)."""
         return approvals.session_snapshot(self.store, session_id)
 
     # -- approvals and messages -----------------------------------------------------------------
@@ -287,13 +288,25 @@ class DexClient:
             rejection_message=rejection_message, approver=approver,
         )
 
-    def send_user_message(self, session_id: str, text: str) -> dict[str, Any]:
-        """Send a user message into the session; returns it (JSON-ready) with its status.
+    def send_user_message(self, session_id: str, text: str) -> bool:
+        """Send a user message into the session's transcript; True once it is stored.
 
-        ``delivered`` at once if no turn of the session is open; otherwise ``queued`` until
-        every call of the open turn(s) has ended.
+        The message is ``delivered`` at once if no turn of the session is open; otherwise it is
+        ``queued`` until every call of the open turn(s) has ended (the snapshot shows which).
+        False only for a report of an unknown outcome (a text ending in ``(tool call <key>)``
+        that names an ``outcome_unknown`` call of this session) when a user message of the
+        session already names that key: each call is reported once, whoever sends it.
         """
-        return approvals.send_user_message(self.store, session_id, text).model_dump(mode="json")
+        return transcript.send_user_message(self.store, session_id, text) is not None
+
+    def add_assistant_message(self, session_id: str, turn_id: str, text: str) -> SessionMessage:
+        """Record the model's own text of turn ``turn_id`` in the session's transcript.
+
+        The transcript (``get_agent_snapshot(...).messages``) then holds the whole
+        conversation: user messages, the model's text, and each call's tool message. Returns
+        the stored message; :class:`InvalidArgumentError` names a malformed argument.
+        """
+        return transcript.add_assistant_message(self.store, session_id, turn_id, text)
 
     def events(self, session_id: str, after: int = 0) -> list[CallEvent]:
         """The session's events after cursor ``after`` (an event's ``id``)."""

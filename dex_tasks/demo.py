@@ -272,7 +272,7 @@ class Agent:
 
     def reconcile(self) -> Check:
         import workers.example_tools  # noqa: F401 - registers charge_card's reconciler here
-        from dex_tasks.reconcile import reconciler_for, report_unknown_outcomes
+        from dex_tasks.reconcile import reconciler_for, report_unknown_outcomes_sync
 
         checker = reconciler_for("charge_card")
         if checker is None:
@@ -285,16 +285,16 @@ class Agent:
 
         # Beat's reconcile sweep runs the same checker in the worker: whichever asks first
         # reports, the other finds the call already reported. Either way, exactly one message.
-        first = report_unknown_outcomes(self.client, self.session, check)
+        first = report_unknown_outcomes_sync(self.client, self.session, check)
 
         def reports() -> list[str]:
             snapshot = self.client.get_agent_snapshot(self.session)
             return [m.text for m in snapshot.messages
-                    if self.crashed_key and self.crashed_key in m.text
+                    if m.text and self.crashed_key and self.crashed_key in m.text
                     and m.status == "delivered"]
 
         texts = _poll(reports, PATH_TIMEOUT)
-        again = report_unknown_outcomes(self.client, self.session, check)
+        again = report_unknown_outcomes_sync(self.client, self.session, check)
         by = "the agent's check" if first else "beat's reconcile sweep"
         return Check(f"{len(texts)} report (by {by}), {len(again)} on a 2nd run",
                      len(texts) == 1 and not again,

@@ -90,20 +90,42 @@ class InterruptRow(SQLModel, table=True):
 
 
 class MessageRow(SQLModel, table=True):
-    """A user message sent into a session; queued while a turn is open."""
+    """One message of a session's transcript: a user's, the model's own text, or a tool result.
+
+    ``role`` says which (``states.MessageRole``). User messages carry ``text`` and a delivery
+    ``status`` (``queued`` while a turn of the session is open, then ``delivered``); assistant
+    messages carry ``text`` and their ``turn_id``; tool messages are written by the transition
+    that ends their call (``Store.transition``) and carry the call's ids, ``call_status``,
+    ``tool_arguments`` and ``tool_output`` (the result's JSON text, or the error text), with
+    ``text`` and ``status`` left NULL. One table, so the transcript is one ordered read.
+    """
 
     __tablename__ = "dex_messages"
     __table_args__ = (
-        # Delivery looks only at queued messages (of one session, or all for the sweep).
+        # Delivery looks only at queued messages (of one session, or all for the sweep); only
+        # user messages have a status, so tool and assistant messages are never in its range.
         Index("ix_dex_messages_status_session", "status", "session_id"),
+        # One tool message per call, whatever code ended it: a backstop behind the guarded
+        # transition (user and assistant messages have no key, and NULLs never collide).
+        Index("ux_dex_messages_key", "key", unique=True),
     )
 
     id: int | None = Field(default=None, primary_key=True)
     session_id: str = Field(index=True, max_length=200)
-    text: str = Field(sa_column=Column(Text, nullable=False))
-    status: str = Field(max_length=16)
+    # server_default: rows written before the transcript had roles were all user messages.
+    role: str = Field(default="user", max_length=16,
+                      sa_column_kwargs={"server_default": "user", "nullable": False})
+    text: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    status: str | None = Field(default=None, max_length=16)
     created_at: float
     delivered_at: float | None = None
+    turn_id: str | None = Field(default=None, max_length=200)
+    tool_call_id: str | None = Field(default=None, max_length=200)
+    tool: str | None = Field(default=None, max_length=200)
+    key: str | None = Field(default=None, max_length=512)
+    call_status: str | None = Field(default=None, max_length=32)
+    tool_arguments: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    tool_output: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
 
 
 class CatalogRow(SQLModel, table=True):
@@ -117,21 +139,3 @@ class CatalogRow(SQLModel, table=True):
     arguments_schema: str = Field(sa_column=Column(Text, nullable=False))
     description: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     updated_at: float
-
-
-class ReconciliationRow(SQLModel, table=True):
-    """The report sent into a session about one ``outcome_unknown`` call: at most one per call.
-
-    Inserted in the same transaction as the user message that carries the report, so when two
-    reconcilers race, the second insert fails on the key and its message is rolled back.
-    """
-
-    __tablename__ = "dex_reconciliations"
-
-    key: str = Field(primary_key=True, max_length=512)
-    session_id: str = Field(index=True, max_length=200)
-    message_id: int | None = None
-    # Who answered: "check" (a function passed by the caller) or "reconciler:<tool>".
-    checker: str = Field(max_length=255)
-    report: str = Field(sa_column=Column(Text, nullable=False))
-    reported_at: float

@@ -4,47 +4,53 @@ An ``outcome_unknown`` call may or may not have taken effect, and dex-tasks neve
 again. Someone has to ask the service the tool wrote to (by the call's idempotency key, which
 every attempt passed to it) and tell the session the answer, so the model does not repeat a
 charge that went through, or give up on one that did not. That answer goes into the session as a
-user message naming the key.
+user message ``"<answer> (tool call <key>)"``.
 
-* :func:`report_unknown_outcomes` does it for one session with a ``check`` function you pass.
+* :func:`report_unknown_outcomes` (a coroutine, the seeds' shape) does it for one session with
+  an async ``check`` you pass, through any object with async ``get_agent_snapshot`` and
+  ``send_user_message`` (:class:`~dex_tasks.AsyncDexClient` is one);
+  :func:`report_unknown_outcomes_sync` is the same for a :class:`~dex_tasks.DexClient` and a
+  plain ``check`` function.
 * A tool may register its own checker with ``@my_tool.reconciler``;
   :func:`reconcile_with_reconcilers` runs those, for one session (``dex-tasks reconcile``) or
   for every session (the ``reconcile_unknown`` sweep, which runs in a worker, where the tool
   modules are imported).
 
-Each report is recorded in ``dex_reconciliations`` (keyed by the call) in the same transaction
-as its message, so a call is reported at most once: running either again sends nothing new, and
-when two run at once the second insert fails and its message is rolled back. A checker that
+One rule for all of them, the seeds' rule: a call whose key a user message of the session
+already names has been reported, and is skipped. Each reads the transcript first and skips
+those; when two race past that read, the store settles it: ``send_user_message`` stores a report
+of an unknown outcome only if no user message of the session names its key yet, checked under
+a per-session lock in the transaction that would store it (``transcript.add_user_message``).
+So the seeds' own sample, run against ``AsyncDexClient``, shares the rule too. A checker that
 returns ``None`` (or an empty text) does not know yet; the call is asked about again next time.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from sqlalchemy import exists, insert, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import select
 
-from dex_tasks.approvals import add_message
 from dex_tasks.errors import DexError
-from dex_tasks.models import ReconciliationRow, ToolCallRow
+from dex_tasks.models import ToolCallRow
+from dex_tasks.records import AgentSnapshot
 from dex_tasks.registry import Tool, local_tools
-from dex_tasks.states import CallStatus
+from dex_tasks.states import CallStatus, MessageRole
 from dex_tasks.store import CALLS, Store
-
-if TYPE_CHECKING:
-    from dex_tasks.client import DexClient
+from dex_tasks.transcript import named_keys, names_key, report_text, send_user_message
 
 log = logging.getLogger("dex_tasks.reconcile")
 
-RECONCILIATIONS = ReconciliationRow.__table__  # type: ignore[attr-defined]
+OutcomeCheck = Callable[[str, str], Awaitable[str | None]]
+"""``async check(idempotency_key, arguments_json) -> report text`` (None: not known yet)."""
 
-OutcomeCheck = Callable[[str, str], str | None]
+SyncOutcomeCheck = Callable[[str, str], str | None]
 """``check(idempotency_key, arguments_json) -> report text or None`` (None: not known yet)."""
 
 PAGE = 200
@@ -52,6 +58,22 @@ PAGE = 200
 
 class InvalidCheckResultError(DexError):
     """A checker returned something other than a text or None."""
+
+
+class SessionMessenger(Protocol):
+    """What :func:`report_unknown_outcomes` needs: the seeds' two session methods, async."""
+
+    async def get_agent_snapshot(self, session_id: str) -> AgentSnapshot: ...
+
+    async def send_user_message(self, session_id: str, text: str) -> bool: ...
+
+
+class SyncSessionMessenger(Protocol):
+    """What :func:`report_unknown_outcomes_sync` needs (:class:`~dex_tasks.DexClient` has it)."""
+
+    def get_agent_snapshot(self, session_id: str) -> AgentSnapshot: ...
+
+    def send_user_message(self, session_id: str, text: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -78,31 +100,77 @@ class ReconcileResult:
     failed: dict[str, str] = field(default_factory=dict)
 
 
-def report_text(key: str, answer: str) -> str:
-    """The message sent into the session: the checker's answer, naming the call's key."""
-    return f"{answer.strip()} (tool call {key})"
+def unreported_in(snapshot: AgentSnapshot) -> list[tuple[str, str]]:
+    """``(key, arguments_json)`` of each ``outcome_unknown`` tool message of the transcript
+    whose key no user message names, oldest first."""
+    sent = [m.text for m in snapshot.messages if m.role is MessageRole.USER]
+    found = []
+    for message in snapshot.messages:
+        if message.role is not MessageRole.TOOL or (
+                message.call_status is not CallStatus.OUTCOME_UNKNOWN):
+            continue
+        key = message.key or f"{snapshot.session_id}/{message.turn_id}/{message.tool_call_id}"
+        if not any(names_key(text, key) for text in sent):
+            found.append((key, message.tool_arguments or "{}"))
+    return found
 
 
-def report_unknown_outcomes(
-    client: DexClient, session_id: str, check: OutcomeCheck
+async def report_unknown_outcomes(
+    sessions: SessionMessenger, session_id: str, check: OutcomeCheck | SyncOutcomeCheck
 ) -> list[str]:
     """Tell the session what really happened to each of its ``outcome_unknown`` calls.
 
-    For every such call not reported before (oldest first), asks
-    ``check(idempotency_key, arguments_json)``; a text answer is sent into the session as a user
-    message naming the key (queued while a turn of the session is open), and recorded so that no
-    later run reports the call again. ``None`` means "not known yet": nothing is sent and the
-    call is asked about next time. Returns the reports this run sent.
+    Reads the transcript with ``await sessions.get_agent_snapshot(session_id)``; for each
+    ``outcome_unknown`` tool message whose key no user message of the session names yet, asks
+    ``await check(idempotency_key, arguments_json)`` and sends the answer with
+    ``await sessions.send_user_message(session_id, "<answer> (tool call <key>)")``. An answer of
+    None (or empty) means "not known yet": nothing is sent and the call is asked about next
+    time. Returns the reports the session stored (a report another reconciler beat us to is
+    refused by the store and left out), so running it again sends nothing new.
 
-    Each report is committed on its own, so if ``check`` raises, the reports before it stand and
-    running the function again carries on where it stopped.
+    ``sessions`` is anything with those two coroutines, :class:`~dex_tasks.AsyncDexClient`
+    among them. A plain (non-async) ``check`` is accepted too.
+    """
+    snapshot = await sessions.get_agent_snapshot(session_id)
+    reports: list[str] = []
+    for key, arguments_json in unreported_in(snapshot):
+        value: object = check(key, arguments_json)
+        if inspect.isawaitable(value):
+            value = await value
+        answer = _answer(value)
+        if answer is None:
+            continue
+        text = report_text(key, answer)
+        if await sessions.send_user_message(session_id, text):
+            reports.append(text)
+    return reports
+
+
+def report_unknown_outcomes_sync(
+    client: SyncSessionMessenger, session_id: str, check: SyncOutcomeCheck
+) -> list[str]:
+    """:func:`report_unknown_outcomes` for a :class:`~dex_tasks.DexClient` and a plain
+    ``check(idempotency_key, arguments_json) -> str | None``: the same rule, no event loop.
+
+    Each report is committed on its own, so if ``check`` raises, the reports before it stand
+    and running the function again carries on where it stopped.
     """
     reports: list[str] = []
-    for call in unreported_calls(client.store, session_id=session_id):
-        report = _report_one(client.store, call, _answer(check(call.key, call.arguments)),
-                             checker="check")
-        if report is not None:
-            reports.append(report.text)
+    for key, arguments_json in unreported_in(client.get_agent_snapshot(session_id)):
+        value: object = check(key, arguments_json)
+        if inspect.isawaitable(value):
+            if inspect.iscoroutine(value):
+                value.close()  # never awaited: close it rather than leave a warning behind
+            raise InvalidCheckResultError(
+                "the check returned an awaitable: use the async report_unknown_outcomes for an "
+                "async check"
+            )
+        answer = _answer(value)
+        if answer is None:
+            continue
+        text = report_text(key, answer)
+        if client.send_user_message(session_id, text):
+            reports.append(text)
     return reports
 
 
@@ -151,19 +219,17 @@ def reconcile_with_reconcilers(
 def unreported_calls(
     store: Store, *, session_id: str | None = None, tools: Iterable[str] | None = None
 ) -> Iterator[ToolCallRow]:
-    """``outcome_unknown`` calls with no report yet, oldest first, read a page at a time."""
+    """``outcome_unknown`` calls whose key no user message of their session names yet, oldest
+    first, read a page at a time."""
     after: tuple[float, str] | None = None
     while True:
-        stmt = select(CALLS).where(
-            CALLS.c.status == CallStatus.OUTCOME_UNKNOWN.value,
-            ~exists().where(RECONCILIATIONS.c.key == CALLS.c.key),
-        )
+        stmt = select(CALLS).where(CALLS.c.status == CallStatus.OUTCOME_UNKNOWN.value)
         if session_id is not None:
             stmt = stmt.where(CALLS.c.session_id == session_id)
         if tools is not None:
             stmt = stmt.where(CALLS.c.tool.in_(list(tools)))
         if after is not None:
-            # Keyset paging: a call reported meanwhile drops out without shifting the pages.
+            # Keyset paging: a call reported meanwhile does not shift the pages.
             stmt = stmt.where(
                 (CALLS.c.finished_at > after[0])
                 | ((CALLS.c.finished_at == after[0]) & (CALLS.c.key > after[1]))
@@ -171,7 +237,8 @@ def unreported_calls(
         stmt = stmt.order_by(CALLS.c.finished_at, CALLS.c.key).limit(PAGE)
         with store.read() as conn:
             rows = [ToolCallRow.model_validate(dict(r)) for r in conn.execute(stmt).mappings()]
-        yield from rows
+            reported = named_keys(conn, [(r.session_id, r.key) for r in rows])
+        yield from (row for row in rows if row.key not in reported)
         if len(rows) < PAGE:
             return
         last = rows[-1]
@@ -189,29 +256,17 @@ def _answer(value: object) -> str | None:
 
 
 def _report_one(
-    store: Store, call: ToolCallRow, answer: str | None, *, checker: str,
-    now: float | None = None,
+    store: Store, call: ToolCallRow, answer: str, *, checker: str, now: float | None = None,
 ) -> Report | None:
-    """Send and record one report; None if there is no answer or another run reported first."""
-    if answer is None:
-        return None
+    """Send one report; None if another reconciler reported the call first."""
     text = report_text(call.key, answer)
-    now = time.time() if now is None else now
-    try:
-        with store.write() as conn:
-            # In our transaction: the message and the record that the call was reported
-            # commit (or fail) together.
-            message_id = add_message(conn, call.session_id, text, now)
-            conn.execute(insert(RECONCILIATIONS).values(
-                key=call.key, session_id=call.session_id, message_id=message_id,
-                checker=checker[:255], report=text, reported_at=now,
-            ))
-    except IntegrityError:
-        # Another run reported this call first; our message was rolled back with the insert.
-        log.info("already reported", extra={"action": "reconcile_duplicate", "key": call.key})
+    message = send_user_message(store, call.session_id, text,
+                                time.time() if now is None else now)
+    if message is None:
         return None
     log.info("unknown outcome reported",
              extra={"action": "outcome_reconciled", "key": call.key,
-                    "session_id": call.session_id, "checker": checker, "message_id": message_id})
+                    "session_id": call.session_id, "checker": checker,
+                    "message_id": message.id})
     return Report(key=call.key, session_id=call.session_id, tool=call.tool, text=text,
-                  message_id=message_id)
+                  message_id=message.id)

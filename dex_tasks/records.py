@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -10,7 +11,7 @@ from pydantic import BaseModel
 
 from dex_tasks.models import CallEventRow, ToolCallRow
 from dex_tasks.policy import EffectClass
-from dex_tasks.states import CallStatus
+from dex_tasks.states import CallStatus, MessageRole
 
 
 def _dt(value: float | None) -> datetime | None:
@@ -126,18 +127,49 @@ class Decision(BaseModel):
 
 
 class SessionMessage(BaseModel):
-    """A user message sent into the session: ``queued`` while its turn is open."""
+    """One message of a session's transcript, which the model reads (oldest first).
+
+    ``role`` says whose it is. A user message (``MessageRole.USER``) has ``text`` and a
+    ``status``: ``queued`` while a turn of the session that had begun when it was sent is open,
+    then ``delivered``. An assistant message (``ASSISTANT``) has ``text`` and ``turn_id``. A
+    tool message (``TOOL``) is written in the transaction that ends its call; ``text`` is None
+    and it has the call's ``turn_id``, ``tool_call_id``, ``tool``, ``key``, ``call_status``,
+    ``tool_arguments`` (the arguments as JSON text) and ``tool_output``: the result as JSON
+    text if the call succeeded, its error text otherwise (so an unknown outcome's contains
+    ``OUTCOME_UNKNOWN_TOOL_RESULT``).
+    """
 
     id: int
     session_id: str
-    text: str
-    status: Literal["queued", "delivered"]
+    role: MessageRole
+    text: str | None = None
     created_at: datetime
+    status: Literal["queued", "delivered"] | None = None
     delivered_at: datetime | None = None
+    turn_id: str | None = None
+    tool_call_id: str | None = None
+    tool: str | None = None
+    key: str | None = None
+    call_status: CallStatus | None = None
+    tool_arguments: str | None = None
+    tool_output: str | None = None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> SessionMessage:
+        """Build the view from a ``dex_messages`` row (as a mapping)."""
+        return cls(
+            id=row["id"], session_id=row["session_id"], role=MessageRole(row["role"]),
+            text=row["text"], created_at=_dt(row["created_at"]), status=row["status"],
+            delivered_at=_dt(row["delivered_at"]), turn_id=row["turn_id"],
+            tool_call_id=row["tool_call_id"], tool=row["tool"], key=row["key"],
+            call_status=CallStatus(row["call_status"]) if row["call_status"] else None,
+            tool_arguments=row["tool_arguments"], tool_output=row["tool_output"],
+        )
 
 
 class AgentSnapshot(BaseModel):
-    """A session as it stands: its tool calls, messages, pending approvals and decided ones."""
+    """A session as it stands: its tool calls, its transcript (``messages``: user, assistant
+    and tool messages, oldest first), pending approvals and decided ones."""
 
     session_id: str
     tool_calls: list[ToolCallRecord]

@@ -1,4 +1,5 @@
-"""The call state machine: statuses and the moves between them. Pure data, no I/O."""
+"""The call state machine (statuses and the moves between them) and the roles of a session's
+transcript messages. Pure data, no I/O."""
 
 from __future__ import annotations
 
@@ -44,3 +45,14 @@ OUTCOME_UNKNOWN_TOOL_RESULT = "OUTCOME_UNKNOWN_TOOL_RESULT"
 
 TOOL_DID_NOT_RUN = "the tool did not run, so it is safe to call again"
 """Prefix of the error of every ``failed`` call that no attempt reached the tool for."""
+
+
+class MessageRole(str, Enum):
+    """Who a message of a session's transcript comes from (``SessionMessage.role``)."""
+
+    USER = "user"
+    """A user message (``send_user_message``), reports of unknown outcomes included."""
+    TOOL = "tool"
+    """A tool call's result, written in the transaction that ended the call."""
+    ASSISTANT = "assistant"
+    """The model's own text, recorded by the agent process (``add_assistant_message``)."""

@@ -2,7 +2,8 @@
 
 ``transition`` is the only code that writes a call's status. It is a compare-and-set
 (``UPDATE ... WHERE key = :key AND status IN (:allowed)``) whose row count says whether this
-caller won, and it writes the event row in the same transaction.
+caller won, and it writes the event row in the same transaction; a move to a terminal status
+also appends the call's tool message to the session's transcript there.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from sqlmodel import SQLModel, create_engine
 
 from dex_tasks.errors import IllegalTransitionError, StoreUnavailableError
 from dex_tasks.models import CallEventRow, CatalogRow, InterruptRow, MessageRow, ToolCallRow
-from dex_tasks.states import ALLOWED_FROM, CallStatus
+from dex_tasks.states import ALLOWED_FROM, CallStatus, MessageRole
 
 CALLS = ToolCallRow.__table__  # type: ignore[attr-defined]
 EVENTS = CallEventRow.__table__  # type: ignore[attr-defined]
@@ -117,13 +118,25 @@ def deliver_ready_messages(conn: Connection, now: float, session_id: str | None 
     commit. SQLite writers are serialised anyway. Rows the sweep is delivering are skipped
     (``SKIP LOCKED``), so ending a call never waits on it.
     """
-    if session_id is not None and conn.dialect.name == "postgresql":
-        conn.execute(_DELIVERY_LOCK, {"lock_session": session_id})
+    if session_id is not None:
+        lock_session_messages(conn, session_id)
     if session_id is None:
         result = conn.execute(_DELIVER_ALL, {"deliver_now": now})
     else:
         result = conn.execute(_DELIVER_SESSION, {"deliver_now": now, "deliver_session": session_id})
     return int(result.rowcount or 0)
+
+
+def lock_session_messages(conn: Connection, session_id: str) -> None:
+    """Serialise, until the end of ``conn``'s transaction, the writers of one session's
+    messages that must see each other's commits (delivery, the one-report-per-call rule).
+
+    A PostgreSQL advisory transaction lock on the session (re-entrant within a transaction);
+    statements run after it get a snapshot that includes what the previous holder committed.
+    SQLite needs nothing: its writers are serialised by ``BEGIN IMMEDIATE``.
+    """
+    if conn.dialect.name == "postgresql":
+        conn.execute(_DELIVERY_LOCK, {"lock_session": session_id})
 
 
 def _delivery_statement(*, one_session: bool) -> Any:
@@ -139,7 +152,8 @@ def _delivery_statement(*, one_session: bool) -> Any:
     open_call = exists().where(
         c.c.session_id == m.c.session_id, c.c.status.in_(_OPEN_STATUSES), turn_begun_before
     )
-    ready = select(m.c.id).where(m.c.status == "queued", ~open_call)
+    ready = select(m.c.id).where(m.c.status == "queued", m.c.role == MessageRole.USER.value,
+                                 ~open_call)
     if one_session:
         ready = ready.where(m.c.session_id == bindparam("deliver_session"))
     return (
@@ -161,7 +175,19 @@ _DELIVERY_LOCK = select(func.pg_advisory_xact_lock(
 _INSERT_CALL = insert(CALLS)
 _INSERT_INTERRUPT = insert(INTERRUPTS)
 _INSERT_EVENT = insert(EVENTS)
+_INSERT_MESSAGE = insert(MESSAGES)
 _GET_CALL = select(CALLS).where(CALLS.c.key == bindparam("get_key"))
+
+# What a transition's UPDATE returns: the event row needs these two; a terminal transition
+# also builds its call's tool message from the rest (the values just written), so it needs
+# no read of its own.
+_RETURNING = (CALLS.c.session_id, CALLS.c.prev_status)
+_RETURNING_TERMINAL = (*_RETURNING, CALLS.c.turn_id, CALLS.c.tool_call_id, CALLS.c.tool,
+                       CALLS.c.arguments, CALLS.c.result, CALLS.c.error)
+
+
+def _returning(to: CallStatus) -> tuple[Any, ...]:
+    return _RETURNING_TERMINAL if to.terminal else _RETURNING
 
 
 @functools.lru_cache(maxsize=256)
@@ -179,7 +205,7 @@ def _transition_statement(
         # we moved from, for the event row.
         .values(prev_status=CALLS.c.status, status=to.value,
                 **{k: bindparam(f"v_{k}") for k in fields})
-        .returning(CALLS.c.session_id, CALLS.c.prev_status)
+        .returning(*_returning(to))
     )
 
 
@@ -323,7 +349,8 @@ class Store:
         ``allowed`` defaults to every legal predecessor and must be a subset of them.
         ``match`` adds equality guards on columns (the owning worker, an attempt count) and
         ``where`` any other guard; ``values`` sets other columns in the same statement. The
-        event row is written in the same transaction.
+        event row is written in the same transaction, and so is, when ``to`` is terminal, the
+        call's tool message in the session's transcript.
         """
         legal = ALLOWED_FROM[to]
         sources = frozenset(legal if allowed is None else allowed)
@@ -352,7 +379,7 @@ class Store:
                 .where(CALLS.c.key == key, CALLS.c.status.in_([s.value for s in sources]),
                        *guards)
                 .values(prev_status=CALLS.c.status, status=to.value, **fields)
-                .returning(CALLS.c.session_id, CALLS.c.prev_status)
+                .returning(*_returning(to))
             )
         if conn is not None:
             return self._transition_in(conn, stmt, params, key, to, detail, now)
@@ -382,6 +409,24 @@ class Store:
             "created_at": now,
         })
         if to.terminal:
+            # The call's tool message, in the transaction that makes it terminal: a call
+            # that ends has its message, and the guarded UPDATE above matches once, so it
+            # never gets two (the unique index on the key is the backstop).
+            conn.execute(_INSERT_MESSAGE, {
+                "session_id": row.session_id,
+                "role": MessageRole.TOOL.value,
+                "text": None,
+                "status": None,
+                "created_at": now,
+                "delivered_at": None,
+                "turn_id": row.turn_id,
+                "tool_call_id": row.tool_call_id,
+                "tool": row.tool,
+                "key": key,
+                "call_status": to.value,
+                "tool_arguments": row.arguments,
+                "tool_output": row.result if to is CallStatus.SUCCEEDED else row.error,
+            })
             # A turn may have just ended: deliver its queued user messages in this same
             # transaction, so no code path that ends a call can forget them.
             deliver_ready_messages(conn, now, row.session_id)

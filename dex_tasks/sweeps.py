@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from dex_tasks import approvals, claims
+from dex_tasks import approvals, claims, transcript
 from dex_tasks.celery_app import publish
 from dex_tasks.policy import EffectClass
 
@@ -97,7 +97,7 @@ def expire_approvals(rt: Runtime, now: float | None = None) -> int:
 def deliver_messages(rt: Runtime, now: float | None = None) -> int:
     """Deliver queued user messages whose turn is over (a safety net: ending a turn's last
     call delivers them in the same transaction); returns how many."""
-    return approvals.deliver_messages(rt.store, now)
+    return transcript.deliver_messages(rt.store, now)
 
 
 def reconcile_unknown(rt: Runtime, now: float | None = None) -> int:

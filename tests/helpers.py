@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import redis
 
+from dex_tasks import AgentSnapshot, MessageRole, SessionMessage
+
 # Re-exported for the tests, which import them from here.
 from dex_tasks.procutil import children_of as children_of
 from dex_tasks.procutil import dex_command as dex_command
@@ -180,3 +182,13 @@ def served(app: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def user_messages(snapshot: AgentSnapshot) -> list[SessionMessage]:
+    """The user messages of a session's transcript, oldest first."""
+    return [m for m in snapshot.messages if m.role is MessageRole.USER]
+
+
+def tool_messages(snapshot: AgentSnapshot) -> list[SessionMessage]:
+    """The tool messages of a session's transcript, oldest first."""
+    return [m for m in snapshot.messages if m.role is MessageRole.TOOL]

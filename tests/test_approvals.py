@@ -38,7 +38,7 @@ from dex_tasks.cli import app as cli_app
 from dex_tasks.execution import Runtime
 from dex_tasks.store import INTERRUPTS, Store
 from tests.conftest import StartWorker, fast_settings
-from tests.helpers import start_process, wait_until
+from tests.helpers import start_process, user_messages, wait_until
 from workers import ledger
 
 StartBeat = Callable[[], "subprocess.Popen[bytes]"]
@@ -129,8 +129,8 @@ def test_waiting_calls_survive_worker_and_beat_restarts_and_run_once_approved(
     approved = refund(client, "t1", "c1")
     rejected = refund(client, "t1", "c2")
     expiring = refund(client, "t2", "c1", approval_deadline=1.5)
-    message = client.send_user_message("s1", "also refund the shipping")
-    assert message["status"] == "queued"
+    assert client.send_user_message("s1", "also refund the shipping")
+    assert [m.status for m in user_messages(client.get_agent_snapshot("s1"))] == ["queued"]
 
     # When the worker and beat are SIGKILLed while the calls wait
     worker.kill_all()
@@ -152,7 +152,7 @@ def test_waiting_calls_survive_worker_and_beat_restarts_and_run_once_approved(
     # When one is rejected and the other approved
     assert client.resolve_interrupt("s1", interrupt_of(rejected), False,
                                     rejection_message="duplicate of c1", approver="bob")
-    assert client.get_agent_snapshot("s1").messages[0].status == "queued"  # c1 still open
+    assert user_messages(client.get_agent_snapshot("s1"))[0].status == "queued"  # c1 open
     assert client.resolve_interrupt("s1", interrupt_of(approved), True, approver="alice")
 
     # Then the approved one runs once and succeeds; the rejected one never runs
@@ -168,7 +168,7 @@ def test_waiting_calls_survive_worker_and_beat_restarts_and_run_once_approved(
 
     # And the turn is over: the message was delivered, and the audit shows every decision
     snapshot = client.get_agent_snapshot("s1")
-    [delivered] = snapshot.messages
+    [delivered] = user_messages(snapshot)
     assert delivered.status == "delivered" and delivered.delivered_at is not None
     decisions = {d.key: (d.decision, d.decided_by, d.call_status) for d in snapshot.decided}
     assert decisions == {
@@ -448,7 +448,7 @@ def test_sweep_run_all_includes_the_deadline_and_message_jobs(client: DexClient,
     assert counts["expire_approvals"] == 1
     assert counts["deliver_messages"] == 0  # the expiry itself delivered the message
     assert client.get_tool_call(record.key).status is CallStatus.REJECTED
-    assert [m.status for m in client.get_agent_snapshot("s1").messages] == ["delivered"]
+    assert [m.status for m in user_messages(client.get_agent_snapshot("s1"))] == ["delivered"]
     assert {"dex.expire_approvals", "dex.deliver_messages"} <= set(
         beat_schedule.build(client.settings))
 

@@ -10,6 +10,7 @@ import pytest
 
 from dex_tasks import AsyncDexClient, CallStatus, DexSettings
 from tests.conftest import StartWorker
+from tests.helpers import user_messages
 from workers import ledger
 
 
@@ -42,17 +43,18 @@ def test_many_concurrent_calls_and_an_approval_complete(
                                             tool="refund_payment",
                                             arguments={"charge_id": "ch_1", "amount_cents": 5})
             assert refund.status is CallStatus.AWAITING_APPROVAL
-            message = await client.send_user_message("s1", "also refund shipping")
+            assert await client.send_user_message("s1", "also refund shipping") is True
             snapshot = await client.get_agent_snapshot("s1")
             assert [p.key for p in snapshot.pending_interrupts] == [refund.key]
-            assert snapshot.messages[0].status == message["status"] == "queued"
+            assert [m.status for m in user_messages(snapshot)] == ["queued"]
             # When it is approved (a second decision changes nothing)
             assert refund.interrupt_id is not None
             assert await client.resolve_interrupt("s1", refund.interrupt_id, True, approver="ann")
             assert not await client.resolve_interrupt("s1", refund.interrupt_id, False)
             # Then it runs, and the turn's end delivers the message
             assert (await client.wait(refund.key, timeout=20)).status is CallStatus.SUCCEEDED
-            assert (await client.get_agent_snapshot("s1")).messages[0].status == "delivered"
+            snapshot = await client.get_agent_snapshot("s1")
+            assert [m.status for m in user_messages(snapshot)] == ["delivered"]
             events = await client.events("s1")
             assert {e.key for e in events if e.event == "tool_call_finished"} == (
                 {r.key for r in records} | {refund.key}

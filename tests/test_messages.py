@@ -15,9 +15,17 @@ import pytest
 from sqlalchemy import insert
 
 import workers.example_tools  # noqa: F401 - registers refund_payment (needs approval) here
-from dex_tasks import CallStatus, DexClient, InvalidArgumentError, ToolCallRecord, approvals
+from dex_tasks import (
+    CallStatus,
+    DexClient,
+    InvalidArgumentError,
+    ToolCallRecord,
+    approvals,
+    transcript,
+)
 from dex_tasks.store import MESSAGES
 from tests.conftest import fast_settings
+from tests.helpers import user_messages
 
 
 @pytest.fixture
@@ -42,16 +50,18 @@ def reject(client: DexClient, record: ToolCallRecord) -> None:
 
 
 def statuses(client: DexClient, session: str = "s1") -> list[str]:
-    return [m.status for m in client.get_agent_snapshot(session).messages]
+    return [m.status for m in user_messages(client.get_agent_snapshot(session))]
 
 
 def test_message_with_no_open_turn_is_delivered_at_once(db_client: DexClient) -> None:
-    sent = db_client.send_user_message("s1", "hello")
-    assert sent["status"] == "delivered" and sent["delivered_at"] is not None
+    assert db_client.send_user_message("s1", "hello") is True
+    [sent] = user_messages(db_client.get_agent_snapshot("s1"))
+    assert sent.status == "delivered" and sent.delivered_at is not None
     # A turn open in another session does not hold it either.
     pending(db_client, "t1", "c1", session="s2")
-    assert db_client.send_user_message("s1", "again")["status"] == "delivered"
-    [first, second] = db_client.get_agent_snapshot("s1").messages
+    assert db_client.send_user_message("s1", "again") is True
+    assert statuses(db_client) == ["delivered", "delivered"]
+    [first, second] = user_messages(db_client.get_agent_snapshot("s1"))
     assert (first.text, second.text) == ("hello", "again")
 
 
@@ -61,8 +71,9 @@ def test_message_waits_until_every_call_of_the_open_turn_is_terminal(
     # Given a turn with two calls awaiting approval, and a message sent during it
     first = pending(db_client, "t1", "c1")
     second = pending(db_client, "t1", "c2")
-    sent = db_client.send_user_message("s1", "wait, use the other card")
-    assert sent["status"] == "queued" and sent["delivered_at"] is None
+    assert db_client.send_user_message("s1", "wait, use the other card")
+    [sent] = user_messages(db_client.get_agent_snapshot("s1"))
+    assert sent.status == "queued" and sent.delivered_at is None
 
     # When one call ends, and the other is approved (queued, then running)
     reject(db_client, first)
@@ -76,7 +87,7 @@ def test_message_waits_until_every_call_of_the_open_turn_is_terminal(
 
     # Then the message is delivered by the transition that ends the turn's last call
     assert store.transition(second.key, CallStatus.SUCCEEDED, values={"result": "{}"})
-    [message] = db_client.get_agent_snapshot("s1").messages
+    [message] = user_messages(db_client.get_agent_snapshot("s1"))
     assert message.status == "delivered"
     assert message.delivered_at == db_client.get_tool_call(second.key).finished_at
 
@@ -100,7 +111,8 @@ def test_a_turn_begun_after_the_message_does_not_hold_it(db_client: DexClient) -
     # When t1 ends, its message is delivered though t2 is open; one sent now waits for t2
     reject(db_client, t1)
     assert statuses(db_client) == ["delivered"]
-    assert db_client.send_user_message("s1", "second")["status"] == "queued"
+    assert db_client.send_user_message("s1", "second")
+    assert statuses(db_client) == ["delivered", "queued"]
     reject(db_client, t2)
     assert statuses(db_client) == ["delivered", "delivered"]
 
@@ -123,10 +135,10 @@ def test_deliver_messages_sweep_delivers_what_a_race_left_queued(db_client: DexC
                                              status="queued", created_at=now))
 
     # When the sweep runs, only the one whose turn is over is delivered, once
-    assert approvals.deliver_messages(db_client.store) == 1
+    assert transcript.deliver_messages(db_client.store) == 1
     assert statuses(db_client, "s1") == ["delivered"]
     assert statuses(db_client, "s2") == ["queued"]
-    assert approvals.deliver_messages(db_client.store) == 0
+    assert transcript.deliver_messages(db_client.store) == 0
     reject(db_client, open_call)
     assert statuses(db_client, "s2") == ["delivered"]
 

@@ -14,19 +14,20 @@ import redis
 from sqlalchemy import func, select
 
 import workers.example_tools  # noqa: F401 - registers charge_card and its reconciler here too
-from dex_tasks import CallStatus, DexClient, report_unknown_outcomes, tool
+from dex_tasks import CallStatus, DexClient, tool
 from dex_tasks.celery_app import SWEEP
 from dex_tasks.execution import Runtime
 from dex_tasks.reconcile import (
-    RECONCILIATIONS,
     InvalidCheckResultError,
     reconcile_with_reconcilers,
 )
+from dex_tasks.reconcile import report_unknown_outcomes_sync as report_unknown_outcomes
 from dex_tasks.registry import ToolContext
 from dex_tasks.states import OUTCOME_UNKNOWN_TOOL_RESULT
+from dex_tasks.store import MESSAGES
 from dex_tasks.sweeps import run_job
 from tests.conftest import StartWorker, fast_settings
-from tests.helpers import ROOT, dex_command, wait_until
+from tests.helpers import ROOT, dex_command, user_messages, wait_until
 from workers import ledger
 
 
@@ -59,7 +60,7 @@ def _sweep(client: DexClient) -> int:
 
 
 def _messages(client: DexClient, session_id: str) -> list[str]:
-    return [m.text for m in client.get_agent_snapshot(session_id).messages]
+    return [m.text or "" for m in user_messages(client.get_agent_snapshot(session_id))]
 
 
 def _reconcile_cli(env: dict[str, str], session_id: str) -> str:
@@ -165,7 +166,8 @@ def store_client(redis_url: str, database_url: str) -> Any:
 
 def _report_count(client: DexClient) -> int:
     with client.store.read() as conn:
-        return int(conn.execute(select(func.count()).select_from(RECONCILIATIONS)).scalar_one())
+        return int(conn.execute(select(func.count()).select_from(MESSAGES).where(
+            MESSAGES.c.text.like("%(tool call %"))).scalar_one())
 
 
 def test_two_reconcilers_racing_report_each_call_once(store_client: DexClient) -> None:
@@ -219,14 +221,14 @@ def test_registered_reconcilers_unknown_answers_errors_and_open_turns(
     assert [r.key for r in result.reported] == [ok]
     assert result.unanswered == [later]
     assert list(result.failed) == [broken] and "bank's API is down" in result.failed[broken]
-    messages = client.get_agent_snapshot("s").messages
+    messages = user_messages(client.get_agent_snapshot("s"))
     assert [m.text for m in messages] == [
         f"Note from the bank: the transfer of 50 went through. (tool call {ok})"
     ]
     assert messages[0].status == "queued"
     # When the open turn's call ends, the report is delivered with it
     assert client.store.transition(open_turn, CallStatus.FAILED, values={"error": "x"})
-    assert client.get_agent_snapshot("s").messages[0].status == "delivered"
+    assert user_messages(client.get_agent_snapshot("s"))[0].status == "delivered"
 
     # The sweep (every session, tools with checkers here) sends nothing new; nor a rerun
     assert _sweep(client) == 0
