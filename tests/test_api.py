@@ -250,9 +250,9 @@ def test_an_operator_token_works_on_every_session_and_lists_the_waiting_ones(
 ) -> None:
     # Given calls waiting in two sessions (the second one newer) and one session with none
     first = _refund(client, session="sess-first")
-    time.sleep(0.01)  # distinct request times, so "newest first" has one answer
-    _refund(client, "c1", session="sess-second")
+    second = _refund(client, "c1", session="sess-second")
     _refund(client, "c2", session="sess-second")
+    assert first.created_at < second.created_at
     client.call_tool(session_id="sess-quiet", turn_id="t1", tool_call_id="c1",
                      tool="lookup_order", arguments={"order_id": "1"})
     operator = _bearer(issue_token(SECRET, None, approver="olga", all_sessions=True))

@@ -155,6 +155,25 @@ def link_view_claims(request: Request, session_id: SessionId, credentials: Beare
     return check_token(_state(request).secret, pick_token(credentials, token), session_id, VIEW)
 
 
+class PageRefusedError(Exception):
+    """A 401/403 on a page a person opened: answered in HTML, saying what to ask for."""
+
+    def __init__(self, err: HTTPException) -> None:
+        super().__init__(str(err.detail))
+        self.status_code = err.status_code
+        self.headers = err.headers or {}
+
+
+def page_view_claims(request: Request, session_id: SessionId, credentials: Bearer,
+                     token: QueryToken = None) -> tuple[TokenClaims, str]:
+    """The session page's reader (header or ``?token=``) and the token they presented."""
+    try:
+        presented = pick_token(credentials, token)
+        return check_token(_state(request).secret, presented, session_id, VIEW), presented
+    except HTTPException as err:
+        raise PageRefusedError(err) from err
+
+
 @dataclass(frozen=True)
 class OperatorAccess:
     """An operator token's holder, the token they presented, and whether they want HTML."""
@@ -169,8 +188,13 @@ def operator_access(request: Request, credentials: Bearer,
     """A caller with an operator token: a browser may pass it as ``?token=`` (it asked for
     HTML); a program sends the header."""
     html = _prefers_html(request.headers.get("accept", ""))
-    presented = pick_token(credentials, token if html else None)
-    claims = check_token(_state(request).secret, presented, None, VIEW)
+    try:
+        presented = pick_token(credentials, token if html else None)
+        claims = check_token(_state(request).secret, presented, None, VIEW)
+    except HTTPException as err:
+        if html:
+            raise PageRefusedError(err) from err
+        raise
     return OperatorAccess(claims, presented, html)
 
 
@@ -258,21 +282,15 @@ def list_sessions(
                        400: _400_PARAMS, 413: _413},
             tags=["sessions"])
 def session_page(
-    request: Request, session_id: SessionId, credentials: Bearer, token: QueryToken = None,
+    request: Request,
+    session_id: SessionId,
+    reader: Annotated[tuple[TokenClaims, str], Depends(page_view_claims)],
 ) -> HTMLResponse:
     """The session page for a person (what the seeds call the "Agent session" tab): the
     transcript, the approvals waiting, the decided ones, live. Open it with ``?token=<token>``
     (a link cannot carry a header). A token without ``operate`` sees it read-only."""
-    state = _state(request)
-    try:
-        presented = pick_token(credentials, token)
-        claims = check_token(state.secret, presented, session_id, VIEW)
-    except HTTPException as err:
-        # A person reads this, not a program: say what to do, in HTML.
-        return HTMLResponse(error_page(err.status_code, str(err.detail)),
-                            status_code=err.status_code,
-                            headers={**PAGE_HEADERS, **(err.headers or {})})
-    return HTMLResponse(state.pages.session_page(session_id, claims, presented),
+    claims, presented = reader
+    return HTMLResponse(_state(request).pages.session_page(session_id, claims, presented),
                         headers=PAGE_HEADERS)
 
 
@@ -399,6 +417,13 @@ async def _invalid_argument(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"error": f"invalid request: {exc}"}, status_code=400)
 
 
+async def _page_refused(_: Request, exc: Exception) -> HTMLResponse:
+    # A person reads this, not a program: say what to do, in HTML.
+    assert isinstance(exc, PageRefusedError)
+    return HTMLResponse(error_page(exc.status_code, str(exc)), status_code=exc.status_code,
+                        headers={**PAGE_HEADERS, **exc.headers})
+
+
 async def _too_large(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, BodyTooLargeError)
     return too_large_response(exc.limit)
@@ -465,6 +490,7 @@ def create_api(
     api.add_exception_handler(RequestValidationError, _invalid_request)
     api.add_exception_handler(InvalidArgumentError, _invalid_argument)
     api.add_exception_handler(BodyTooLargeError, _too_large)
+    api.add_exception_handler(PageRefusedError, _page_refused)
     api.add_exception_handler(StoreUnavailableError, _store_down)
     api.add_middleware(BodyLimit, limit=max_body_bytes)
     api.include_router(router)

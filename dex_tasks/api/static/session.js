@@ -253,6 +253,7 @@
     show(li, ".key", isTool && !!message.key);
     show(li, ".arguments", isTool && !!message.tool_arguments);
     show(li, ".output", isTool);
+    show(li, ".output-label", isTool);
     show(li, ".text", !isTool && !!message.text);
     if (isTool) {
       li.dataset.key = message.key || "";
@@ -296,6 +297,7 @@
         tool_arguments: JSON.stringify(call.arguments), created_at: call.created_at,
       });
       show(li, ".output", false);
+      show(li, ".output-label", false);
       flight.appendChild(li);
     }
     $("transcript-count").textContent = String(messages.length);
