@@ -1,6 +1,7 @@
 """Bodies are read after tokens, and never past 64 KiB (issue 11, item 8), on a real socket.
 
-Each request here is written by hand to a real uvicorn: headers first, then as much of the body
+Each request here is written by hand to a real uvicorn (with Redis and, where a decision could
+run a tool, a real worker): headers first, then as much of the body
 as the test chooses, often none of it. An answer that arrives while the body is still unsent
 proves the server did not read it; a server that read bodies first would wait for bytes that
 never come, and the socket's timeout fails the test.
@@ -12,6 +13,7 @@ import json
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -21,7 +23,9 @@ import workers.example_tools  # noqa: F401 - registers refund_payment in this pr
 from dex_tasks import CallStatus, DexClient, DexSettings
 from dex_tasks.api import create_api
 from dex_tasks.tokens import issue_token
+from tests.conftest import StartWorker
 from tests.helpers import served
+from workers import ledger
 
 SESSION = "sess-limits"
 SECRET = "test-secret-key"  # tests.conftest.fast_settings
@@ -119,8 +123,10 @@ def _still_waiting(client: DexClient, record: Any) -> None:
 
 
 def test_the_token_is_checked_before_a_byte_of_the_body_is_read(
-    raw: Any, client: DexClient
+    raw: Any, client: DexClient, start_worker: StartWorker, ledger_path: Path
 ) -> None:
+    # Given a real worker ready to run the call the moment anyone approves it
+    start_worker(concurrency=1)
     record = _pending(client)
     json_body = {"Content-Type": "application/json"}
     forged = issue_token("another-secret-key", SESSION)
@@ -144,6 +150,7 @@ def test_the_token_is_checked_before_a_byte_of_the_body_is_read(
         chunked.send_chunk(b'{"interrupt_id": ')
         assert chunked.answer().status == expected, name
     _still_waiting(client, record)
+    assert ledger.executions(ledger_path)[record.key] == 0
 
     # Control: with a genuine operate token the route does read the body, so the same
     # half-sent request gets its answer only once the rest arrives.
@@ -153,11 +160,12 @@ def test_the_token_is_checked_before_a_byte_of_the_body_is_read(
     operate.send_chunk(b'{"interrupt_id": "' + record.interrupt_id.encode() + b'", ')
     with pytest.raises(TimeoutError):
         operate.answer(timeout=0.5)
-    operate.send_chunk(b'"approved": false, "rejection_message": null}')
+    operate.send_chunk(b'"approved": true, "rejection_message": null}')
     operate.send(b"0\r\n\r\n")
     answer = operate.answer()
     assert (answer.status, answer.json()) == (200, {"accepted": True})
-    assert client.get_tool_call(record.key).status is CallStatus.REJECTED
+    assert client.wait(record.key, 20).status is CallStatus.SUCCEEDED
+    assert ledger.executions(ledger_path)[record.key] == 1
 
 
 def test_a_forged_token_with_a_bad_body_gets_401_not_400(raw: Any, client: DexClient) -> None:
