@@ -48,7 +48,7 @@ def test_person_approves_one_call_and_rejects_another_in_the_browser(
     with playwright_sync.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1100, "height": 1000})
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
             errors: list[str] = []
             page.on("pageerror", lambda err: errors.append(str(err)))
             # The page's old address (in links already handed out) redirects to the new one.
