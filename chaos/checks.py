@@ -90,15 +90,25 @@ def _single_attempt(call: ToolCallRow) -> bool:
     return not EffectClass(call.effect).retrying
 
 
+@dataclass(frozen=True)
+class ToolMessage:
+    """One tool message of a transcript: the call it belongs to and the status it recorded."""
+
+    key: str
+    call_status: str
+
+
 class _Checker:
     def __init__(self, calls: Sequence[ToolCallRow], runs: Mapping[str, list[Execution]],
                  kills: Sequence[Kill], intents: Mapping[str, str],
-                 lost: Sequence[tuple[str, int]]) -> None:
+                 lost: Sequence[tuple[str, int]],
+                 tool_messages: Sequence[ToolMessage] | None) -> None:
         self.calls = calls
         self.runs = runs
         self.kills = kills
         self.intents = intents
         self.lost = lost
+        self.tool_messages = tool_messages
         self.verdict = Verdict()
         self.figures: Counter[str] = Counter()
 
@@ -115,6 +125,8 @@ class _Checker:
             self.check_status(call)
         for key, attempt in self.lost:
             self.check_lost(by_key[key], attempt)
+        if self.tool_messages is not None:
+            self.check_transcript(by_key, self.tool_messages)
         self.figures["calls"] = len(self.calls)
         self.figures["executions"] = sum(len(v) for v in self.runs.values())
         self.figures["kills.child"] = sum(k.kind == "child" for k in self.kills)
@@ -208,6 +220,31 @@ class _Checker:
     def killed(self, run: Execution) -> bool:
         return any(run.pid in k.pids and k.at >= run.at - CLOCK_SLACK for k in self.kills)
 
+    def check_transcript(self, by_key: Mapping[str, ToolCallRow],
+                         messages: Sequence[ToolMessage]) -> None:
+        """Every ended call has exactly one tool message, recording the status it ended in;
+        a call that has not ended has none; no tool message belongs to no call."""
+        written: dict[str, list[ToolMessage]] = defaultdict(list)
+        for message in messages:
+            written[message.key].append(message)
+        self.figures["tool_messages"] = len(messages)
+        for call in self.calls:
+            mine = written.pop(call.key, [])
+            if CallStatus(call.status) not in TERMINAL:
+                if mine:
+                    self.problem("tool_message_too_early", call,
+                                 f"has {len(mine)} tool message(s) but has not ended")
+            elif len(mine) != 1:
+                self.problem("tool_message_count", call,
+                             f"ended with {len(mine)} tool messages instead of one")
+            elif mine[0].call_status != call.status:
+                self.problem("tool_message_status", call,
+                             f"its tool message says {mine[0].call_status}")
+        for key, orphans in written.items():
+            self.figures["violations.tool_message_orphan"] += 1
+            self.verdict.violations.append(
+                f"tool_message_orphan: {key}: {len(orphans)} tool message(s) of no stored call")
+
     def check_lost(self, call: ToolCallRow, attempt: int) -> None:
         """The system declared this attempt lost (child died, lease ran out): was it killed?"""
         self.figures["attempts_lost"] += 1
@@ -227,6 +264,7 @@ def check_run(
     kills: Sequence[Kill],
     intents: Mapping[str, str],
     lost: Sequence[tuple[str, int]] = (),
+    tool_messages: Sequence[ToolMessage] | None = None,
 ) -> Verdict:
     """Check every guarantee a run can show; each broken one is a violation naming the call.
 
@@ -241,6 +279,8 @@ def check_run(
       that attempt started (it has a ledger line, and a kill hit that very PID);
     * refunds left to expire were rejected for their deadline; approved ones were not rejected;
     * every attempt the system declared lost (``lost``: (key, attempt) pairs from the events)
-      was really killed after it started: no live attempt was reaped.
+      was really killed after it started: no live attempt was reaped;
+    * given the transcripts' ``tool_messages``: every ended call has exactly one, recording
+      the status it ended in, and a call that has not ended has none.
     """
-    return _Checker(calls, executions(ledger), kills, intents, lost).run()
+    return _Checker(calls, executions(ledger), kills, intents, lost, tool_messages).run()

@@ -6,7 +6,8 @@
 2. Drive the mixed load of ``chaos.load`` while ``chaos.faults`` kills processes and crashes
    Redis on a schedule.
 3. Wait (bounded) until every call has ended, stop everything, and check the run with
-   ``chaos.checks``: the store's calls, the fsynced ledger of executions, and the kills.
+   ``chaos.checks``: the store's calls and tool messages, the fsynced ledger of executions,
+   and the kills.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ import redis
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.engine import make_url
 
-from chaos.checks import Tally, Verdict, check_run
+from chaos.checks import Tally, ToolMessage, Verdict, check_run
 from chaos.faults import AOF_MARKER, Faults
 from chaos.load import ACTIVE, Driver, plan
 from chaos.procs import Cluster, wait_for
-from dex_tasks import CallStatus, DexSettings
+from dex_tasks import CallStatus, DexSettings, MessageRole
 from dex_tasks.models import ToolCallRow
-from dex_tasks.store import CALLS, EVENTS, Store
+from dex_tasks.store import CALLS, EVENTS, MESSAGES, Store
 from workers import ledger
 
 TOOLS = "workers.example_tools,chaos.tools"
@@ -283,9 +284,12 @@ class Harness:
     def _verdict(self) -> Report:
         with self.store.read() as conn:
             rows = conn.execute(select(CALLS)).mappings().all()
+            tool_messages = [ToolMessage(str(key), str(status)) for key, status in conn.execute(
+                select(MESSAGES.c.key, MESSAGES.c.call_status)
+                .where(MESSAGES.c.role == MessageRole.TOOL.value))]
         calls = [ToolCallRow.model_validate(dict(r)) for r in rows]
         verdict = check_run(calls, ledger.read(self.ledger_path), self.faults.kills,
-                            self.driver.intents, self._lost_attempts())
+                            self.driver.intents, self._lost_attempts(), tool_messages)
         verdict.violations[:0] = self.tally.problems
         figures = Counter(verdict.figures)
         figures.update(self.tally.figures)

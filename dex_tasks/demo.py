@@ -3,8 +3,10 @@
 With no configuration it starts a real Redis server (:mod:`dex_tasks.embedded`), a SQLite store
 in a temporary folder, and ``dex-tasks worker``, ``beat`` and ``api`` as subprocesses, each in
 its own process group. A scripted agent then runs one call per path (reads, a retried read, an
-idempotent write, a single-attempt write, approvals granted, rejected and expired over HTTP, a
-worker child killed mid-charge and reconciled) and checks that each ends the way it announced.
+idempotent write, a single-attempt write, the seeds' quick-start ``cancel_order`` approved and
+rejected over HTTP, an approval left to expire, a worker child killed mid-charge and reconciled)
+and checks that each ends the way it announced. Like a model, it reads the session's transcript:
+it records its own text there, and finally prints the transcript with every tool message.
 ``DEX_REDIS_URL`` / ``DEX_DATABASE_URL`` in the environment replace the embedded pieces.
 
 Every process it starts is stopped on the way out, whether the run ends normally, fails, or is
@@ -13,6 +15,7 @@ interrupted (Ctrl-C, SIGTERM, SIGHUP): each group gets SIGTERM, then SIGKILL if 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -21,6 +24,7 @@ import signal
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,9 +40,9 @@ from dex_tasks.client import DexClient
 from dex_tasks.embedded import EmbeddedRedis, Stack, StackError, http_get, http_post
 from dex_tasks.logs import redact
 from dex_tasks.procutil import free_port
-from dex_tasks.records import ToolCallRecord
+from dex_tasks.records import AgentSnapshot, ToolCallRecord
 from dex_tasks.settings import DexSettings
-from dex_tasks.states import OUTCOME_UNKNOWN_TOOL_RESULT, CallStatus
+from dex_tasks.states import OUTCOME_UNKNOWN_TOOL_RESULT, CallStatus, MessageRole
 
 TOOLS = "workers.example_tools"
 LEDGER_ENV = "DEX_EXAMPLE_LEDGER"
@@ -115,10 +119,13 @@ class Agent:
         return f"{self.stack.api_url}/sessions/{self.session}/approvals?token={token}"
 
     def call(self, tool: str, arguments: dict[str, Any], **options: Any) -> ToolCallRecord:
+        """One model turn: its text (recorded in the transcript), then its tool call."""
         self._turns += 1
-        return self.client.call_tool(session_id=self.session, turn_id=f"t{self._turns}",
-                                     tool_call_id="c1", tool=tool, arguments=arguments,
-                                     **options)
+        turn = f"t{self._turns}"
+        shown = ", ".join(f"{k}={v!r}" for k, v in arguments.items())
+        self.client.add_assistant_message(self.session, turn, f"Calling {tool}({shown}).")
+        return self.client.call_tool(session_id=self.session, turn_id=turn, tool_call_id="c1",
+                                     tool=tool, arguments=arguments, **options)
 
     def wait(self, key: str) -> ToolCallRecord:
         return self.client.wait(key, timeout=PATH_TIMEOUT)
@@ -159,7 +166,7 @@ class Agent:
         self.step("idempotent write", "succeeded once; the repeated request is the same call",
                   self.idempotent_write)
         self.step("single-attempt write", "succeeded, 1 attempt", self.single_attempt_write)
-        self.step("approval granted (HTTP)", "awaiting_approval, then succeeded",
+        self.step("approval granted (HTTP)", "cancel_order awaiting_approval, then succeeded",
                   self.approval_granted)
         self.step("approval rejected (HTTP)", "rejected, the model reads the message",
                   self.approval_rejected)
@@ -169,6 +176,9 @@ class Agent:
                   lambda: self.approval_expired(expiring.key))
         self.step("reconciliation", "the unknown charge is checked, reported exactly once",
                   self.reconcile)
+        self.step("transcript", "one tool message per ended call, the report after it",
+                  self.transcript)
+        print_transcript(self.console, self.client.get_agent_snapshot(self.session))
         self.step("metrics", "/metrics counts the calls", self.metrics)
         return self.outcomes
 
@@ -206,8 +216,10 @@ class Agent:
         return Check(f"{rec.status.value}, {rec.attempts} attempt",
                      rec.status is CallStatus.SUCCEEDED and rec.attempts == 1, str(rec.result))
 
-    def _await_approval(self, charge_id: str) -> ToolCallRecord:
-        rec = self.call("refund_payment", {"charge_id": charge_id, "amount_cents": 1999})
+    def _await_approval(self, order_id: str) -> ToolCallRecord:
+        # The seeds' quick-start tool: a non-idempotent write, so it waits for a person.
+        rec = self.call("cancel_order", {"order_id": order_id,
+                                         "reason": "the customer changed their mind"})
         if rec.status is not CallStatus.AWAITING_APPROVAL or rec.interrupt_id is None:
             raise AssertionError(f"expected awaiting_approval, got {rec.status.value}")
         return rec
@@ -226,7 +238,7 @@ class Agent:
         return accepted if isinstance(accepted, bool) else None
 
     def approval_granted(self) -> Check:
-        rec = self._await_approval("ch_approve")
+        rec = self._await_approval("1002")
         accepted = self._resolve(rec, approved=True)
         final = self.wait(rec.key)
         return Check(f"approved, then {final.status.value}",
@@ -234,8 +246,8 @@ class Agent:
                      f"accepted={accepted}; {final.result}")
 
     def approval_rejected(self) -> Check:
-        message = "Refunds over $10 need a manager; ask the customer for the order number."
-        rec = self._await_approval("ch_reject")
+        message = "Order 1001 has shipped; offer a return instead of a cancellation."
+        rec = self._await_approval("1001")
         accepted = self._resolve(rec, approved=False, message=message)
         final = self.wait(rec.key)
         # Deciding again is safe: the first decision stands.
@@ -272,33 +284,58 @@ class Agent:
 
     def reconcile(self) -> Check:
         import workers.example_tools  # noqa: F401 - registers charge_card's reconciler here
-        from dex_tasks.reconcile import reconciler_for, report_unknown_outcomes_sync
+        from dex_tasks.async_client import AsyncDexClient
+        from dex_tasks.reconcile import reconciler_for, report_unknown_outcomes
 
         checker = reconciler_for("charge_card")
         if checker is None:
             return Check("charge_card has no reconciler", False)
 
-        def check(key: str, arguments_json: str) -> str | None:
+        async def check(key: str, arguments_json: str) -> str | None:
             # The example reconciler asks the "payment provider" (the ledger) by key.
             with _environ(LEDGER_ENV, self.stack.env[LEDGER_ENV]):
                 return checker(key, json.loads(arguments_json))
 
+        # The seeds' shape: a coroutine over anything with async get_agent_snapshot and
+        # send_user_message. Not closed: it shares this agent's client.
+        sessions = AsyncDexClient(client=self.client)
         # Beat's reconcile sweep runs the same checker in the worker: whichever asks first
         # reports, the other finds the call already reported. Either way, exactly one message.
-        first = report_unknown_outcomes_sync(self.client, self.session, check)
+        first = asyncio.run(report_unknown_outcomes(sessions, self.session, check))
 
         def reports() -> list[str]:
             snapshot = self.client.get_agent_snapshot(self.session)
             return [m.text for m in snapshot.messages
-                    if m.text and self.crashed_key and self.crashed_key in m.text
-                    and m.status == "delivered"]
+                    if m.role is MessageRole.USER and m.text and self.crashed_key
+                    and self.crashed_key in m.text and m.status == "delivered"]
 
         texts = _poll(reports, PATH_TIMEOUT)
-        again = report_unknown_outcomes_sync(self.client, self.session, check)
+        again = asyncio.run(report_unknown_outcomes(sessions, self.session, check))
         by = "the agent's check" if first else "beat's reconcile sweep"
         return Check(f"{len(texts)} report (by {by}), {len(again)} on a 2nd run",
                      len(texts) == 1 and not again,
                      f"the session reads: {texts[0] if texts else '(nothing)'}")
+
+    def transcript(self) -> Check:
+        """Read the transcript as the model would: a tool message per ended call, in order."""
+        snapshot = self.client.get_agent_snapshot(self.session)
+        tools = [m for m in snapshot.messages if m.role is MessageRole.TOOL]
+        ended = {c.key: c.status for c in snapshot.tool_calls if c.terminal}
+        one_each = Counter(m.key for m in tools) == Counter(dict.fromkeys(ended, 1))
+        statuses_match = all(ended.get(m.key or "") is m.call_status for m in tools)
+        crash = next((m for m in tools if m.key == self.crashed_key), None)
+        crash_at = snapshot.messages.index(crash) if crash is not None else -1
+        report_after = any(m.role is MessageRole.USER and self.crashed_key in (m.text or "")
+                           for m in snapshot.messages[crash_at + 1:]) if crash else False
+        unknown_read = crash is not None and OUTCOME_UNKNOWN_TOOL_RESULT in (
+            crash.tool_output or "")
+        said = sum(m.role is MessageRole.ASSISTANT for m in snapshot.messages)
+        return Check(f"{len(snapshot.messages)} messages: {len(tools)} tool, {said} assistant",
+                     one_each and statuses_match and unknown_read and report_after
+                     and said == self._turns,
+                     f"{len(ended)} ended calls; the crashed charge's tool message says "
+                     f"{OUTCOME_UNKNOWN_TOOL_RESULT if unknown_read else '(missing)'} and the "
+                     f"report {'follows it' if report_after else 'is missing'}")
 
     def metrics(self) -> Check:
         status, body = http_get(f"{self.stack.api_url}/metrics")
@@ -391,6 +428,31 @@ def _signals_as_interrupts() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def transcript_lines(snapshot: AgentSnapshot) -> list[str]:
+    """The session's transcript as the model reads it, one line per message: who, the turn,
+    and the text (a tool message: the tool, the call's status and its output)."""
+    lines = []
+    for m in snapshot.messages:
+        if m.role is MessageRole.TOOL:
+            status = m.call_status.value if m.call_status else ""
+            what = f"{m.tool} {status}: {m.tool_output or ''}"
+        elif m.role is MessageRole.USER:
+            what = f"({m.status}) {m.text or ''}"
+        else:
+            what = m.text or ""
+        lines.append(f"  {m.role.value:<9} {m.turn_id or '':<4} {what}")
+    return lines
+
+
+def print_transcript(console: Console, snapshot: AgentSnapshot) -> None:
+    """Print :func:`transcript_lines`, each cut to the terminal's width."""
+    console.print(f"\nthe transcript of {snapshot.session_id}, as the model reads it:",
+                  highlight=False)
+    for line in transcript_lines(snapshot):
+        console.print(line, no_wrap=True, overflow="ellipsis", markup=False, highlight=False)
+    console.print()
 
 
 def summary_table(outcomes: list[Outcome]) -> Table:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from chaos.checks import APPROVE, EXPIRE, Kill, check_run
+from chaos.checks import APPROVE, EXPIRE, Kill, ToolMessage, check_run
 from dex_tasks.approvals import deadline_error
 from dex_tasks.models import ToolCallRow
 from dex_tasks.states import OUTCOME_UNKNOWN_TOOL_RESULT, TOOL_DID_NOT_RUN
@@ -42,6 +42,9 @@ def test_short_chaos_run_keeps_every_guarantee(tmp_path: Path) -> None:
     assert figures["kills.worker"] == 1 and figures["faults.redis"] == 1
     assert figures["faults.beat"] == 1
     assert figures.get("duplicates.single_attempt", 0) == 0
+    # Every call ended, and each has exactly one tool message in its session's transcript
+    # (a missing, doubled or mislabelled one would be a violation above)
+    assert figures["tool_messages"] == figures["calls"]
 
 
 # -- the checks, on fabricated runs -------------------------------------------------------------
@@ -145,6 +148,27 @@ def test_checks_accept_a_run_where_every_guarantee_held() -> None:
               _ran("d", attempt=3), _ran("d", attempt=4), _ran("e", attempt=3, pid=100),
               _ran("h", pid=9)]
     verdict = check_run(calls, ledger, [KILL], {"g": EXPIRE, "h": APPROVE},
-                        lost=[("b", 1), ("c", 1), ("e", 3)])
+                        lost=[("b", 1), ("c", 1), ("e", 3)],
+                        tool_messages=[ToolMessage(c.key, c.status) for c in calls])
     assert verdict.ok, verdict.violations
     assert verdict.figures["outcome_unknown"] == 2 and verdict.figures["did_not_run"] == 1
+
+
+def test_checks_report_tool_messages_missing_doubled_early_wrong_or_orphaned() -> None:
+    calls = [
+        _call("missing", "lookup_order", "read", "succeeded", max_attempts=3),
+        _call("doubled", "lookup_order", "read", "succeeded", max_attempts=3),
+        _call("early", "lookup_order", "read", "running", max_attempts=3),
+        _call("wrong", "lookup_order", "read", "succeeded", max_attempts=3),
+        _call("fine", "lookup_order", "read", "succeeded", max_attempts=3),
+    ]
+    ledger = [_ran(c.key) for c in calls]
+    messages = [ToolMessage("doubled", "succeeded"), ToolMessage("doubled", "succeeded"),
+                ToolMessage("early", "succeeded"), ToolMessage("wrong", "failed"),
+                ToolMessage("fine", "succeeded"), ToolMessage("nobody", "failed")]
+    verdict = check_run(calls, ledger, [KILL], {}, tool_messages=messages)
+    found = {(v.split(":", 1)[0], v.split(": ", 2)[1].split(" ")[0]) for v in verdict.violations}
+    assert found == {("tool_message_count", "missing"), ("tool_message_count", "doubled"),
+                     ("tool_message_too_early", "early"), ("tool_message_status", "wrong"),
+                     ("not_terminal", "early"), ("tool_message_orphan", "nobody")}
+    assert verdict.figures["tool_messages"] == 6

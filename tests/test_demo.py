@@ -20,15 +20,15 @@ from pathlib import Path
 import pytest
 import redis
 
-from dex_tasks import CallStatus, DexClient, DexSettings
+from dex_tasks import OUTCOME_UNKNOWN_TOOL_RESULT, CallStatus, DexClient, DexSettings, MessageRole
 from dex_tasks.embedded import EmbeddedRedis, Proc, find_redis_server
 from dex_tasks.errors import ConfigurationError
-from tests.helpers import ROOT, dex_command, wait_until
+from tests.helpers import ROOT, dex_command, tool_messages, user_messages, wait_until
 
 MARKER = "DEMO_TEST_MARKER"
 PATHS = ("read", "flaky read", "idempotent write", "single-attempt write",
          "approval granted (HTTP)", "approval rejected (HTTP)", "worker killed mid-charge",
-         "approval left to expire", "reconciliation")
+         "approval left to expire", "reconciliation", "transcript")
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(),
                                 reason="finds leftover processes through /proc")
@@ -81,6 +81,16 @@ def test_demo_reaches_every_announced_outcome_and_leaves_nothing_behind(marker: 
         assert re.search(rf"^ok {re.escape(path)}: ", out, re.M), f"{path!r} not ok:\n{out}"
     assert re.search(r"/sessions/demo-[0-9a-f]+/approvals\?token=\S+", out)
     assert "redis-server from" in out
+    # And the agent printed the transcript the model reads: the seeds' cancel_order approved
+    # and rejected, the killed charge's unknown outcome, then its report
+    transcript = out[out.index("as the model reads it:"):]
+    lines = [line.split() for line in transcript.splitlines()]
+    assert ["tool", "cancel_order", "succeeded:"] in [ln[:1] + ln[2:4] for ln in lines]
+    assert ["tool", "cancel_order", "rejected:"] in [ln[:1] + ln[2:4] for ln in lines]
+    unknown = [i for i, ln in enumerate(lines)
+               if ln[2:5] == ["charge_card", "outcome_unknown:", "OUTCOME_UNKNOWN_TOOL_RESULT:"]]
+    assert len(unknown) == 1, transcript
+    assert lines[unknown[0] + 1][:2] == ["user", "(delivered)"], transcript
     # And nothing it started is left: no process, no temporary folder
     wait_until(lambda: not marked_pids(marker), 10, "the demo's processes to be gone")
     workdir = re.search(r"log (\S+)/worker\.log", out)
@@ -115,9 +125,22 @@ def test_keep_running_on_configured_redis_and_store_until_ctrl_c(
         with DexClient(settings) as client:
             session = re.search(r"session (demo-[0-9a-f]+)", text)
             assert session
-            waiting = [c for c in client.get_agent_snapshot(session.group(1)).tool_calls
+            snapshot = client.get_agent_snapshot(session.group(1))
+            waiting = [c for c in snapshot.tool_calls
                        if c.status is CallStatus.AWAITING_APPROVAL]
             assert [c.arguments["charge_id"] for c in waiting] == ["ch_for_you"]
+            # The transcript: one tool message per ended call and none for the waiting one,
+            # the agent's text for every call it made, one report of the unknown outcome
+            ended = {c.key: c.status for c in snapshot.tool_calls if c.terminal}
+            tools = tool_messages(snapshot)
+            assert sorted(m.key or "" for m in tools) == sorted(ended)
+            assert all(m.call_status is ended[m.key or ""] for m in tools)
+            said = [m for m in snapshot.messages if m.role is MessageRole.ASSISTANT]
+            assert len(said) == len(snapshot.tool_calls)
+            [unknown] = [m for m in tools if m.call_status is CallStatus.OUTCOME_UNKNOWN]
+            [report] = user_messages(snapshot)
+            assert (report.text or "").endswith(f"(tool call {unknown.key})")
+            assert OUTCOME_UNKNOWN_TOOL_RESULT in (unknown.tool_output or "")
         assert len(marked_pids(marker)) >= 4  # demo, worker (+ pool), beat, API
 
         # When the person presses Ctrl-C

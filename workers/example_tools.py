@@ -1,11 +1,13 @@
 """Example tools: an order lookup (read), an address update (idempotent write), a card charge
-(non-idempotent write), and a few helpers for tests and the demo.
+and an order cancellation (non-idempotent writes; the cancellation, like a refund, waits for a
+person's approval), and a few helpers for tests and the demo.
 
 Each records its execution in the ledger (``workers.ledger``) before it does anything slow, and
 takes an optional ``sleep`` so tests can kill a worker while the tool runs.
 
-The ledger also stands in for the payment provider's records: ``charge_card``'s reconciler asks
-it whether a charge with a given idempotency key reached the provider.
+The ledger also stands in for the services' own records: ``charge_card``'s and
+``cancel_order``'s reconcilers ask it whether the operation with a given idempotency key reached
+the payment provider or the order system.
 """
 
 from __future__ import annotations
@@ -88,6 +90,33 @@ def refund_payment(ctx: ToolContext, charge_id: str, amount_cents: int) -> dict[
     """Refund a payment. Waits for a person's approval (the default for this effect class)."""
     ledger.record("refund_payment", ctx.idempotency_key, ctx.attempt)
     return {"charge_id": charge_id, "refunded_cents": amount_cents}
+
+
+@tool(effect="non_idempotent_write")
+def cancel_order(ctx: ToolContext, order_id: str, reason: str = "",
+                 sleep: float = 0.0) -> dict[str, object]:
+    """Cancel an order. A non-idempotent write with no ``requires_approval`` set, so by the
+    default of its effect class every call waits for a person's approval before it runs."""
+    ledger.record("cancel_order", ctx.idempotency_key, ctx.attempt)
+    time.sleep(sleep)
+    if order_id not in ORDERS:
+        raise LookupError(f"no order {order_id}")
+    return {"order_id": order_id, "status": "cancelled", "reason": reason,
+            "request_id": ctx.idempotency_key}
+
+
+@cancel_order.reconciler
+def check_cancellation(idempotency_key: str, arguments: dict[str, Any]) -> str | None:
+    """Ask the order system (here: the ledger) whether the cancellation with this key ran."""
+    path = os.environ.get(ledger.ENV)
+    if not path:
+        return None
+    order = arguments.get("order_id")
+    if ledger.executions(path)[idempotency_key]:
+        return (f"Note from the order system: order {order} is cancelled. Do not cancel it "
+                "again.")
+    return (f"Note from the order system: order {order} was not cancelled. It is safe to ask "
+            "for the cancellation again.")
 
 
 @tool(effect="read")
