@@ -41,7 +41,6 @@ from fastapi import (
     Security,
 )
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import (
     HTMLResponse,
     JSONResponse,
@@ -65,16 +64,23 @@ from dex_tasks.api.auth import (
 from dex_tasks.api.events import StreamCounter, event_stream, parse_cursor
 from dex_tasks.api.inbox import DEFAULT_LIMIT, MAX_LIMIT, pending_sessions, session_page_path
 from dex_tasks.api.limits import MAX_BODY_BYTES, BodyLimit, BodyTooLargeError, too_large_response
-from dex_tasks.api.pages import PAGE_HEADERS, Pages, error_page
+from dex_tasks.api.openapi import (
+    AUTH_401,
+    AUTH_403,
+    BODY_413,
+    PARAMS_400,
+    RESOLVE_BODY,
+    RESOLVE_RESPONSES,
+    SESSION_RESPONSES,
+    openapi_schema,
+)
+from dex_tasks.api.pages import PAGE_HEADERS, Pages, error_page, prefers_html
 from dex_tasks.api.schemas import (
     BodyError,
-    DetailResponse,
     ErrorResponse,
     HealthResponse,
     PendingSessions,
-    ResolveRequest,
     ResolveResponse,
-    ValidationErrorResponse,
     parse_resolve_body,
     validation_error_body,
 )
@@ -90,39 +96,6 @@ log = logging.getLogger(__name__)
 SessionId = Annotated[str, Path(min_length=1, max_length=200, description="The session id.")]
 Bearer = Annotated[HTTPAuthorizationCredentials | None, Security(bearer_scheme)]
 QueryToken = Annotated[str | None, Security(query_token_scheme)]
-
-_401: dict[str, Any] = {"description": "No token, or a malformed, forged or expired one.",
-                        "model": DetailResponse}
-_403: dict[str, Any] = {"description": "A genuine token for another session, or without the "
-                        "permission this route needs.", "model": DetailResponse}
-_400_PARAMS: dict[str, Any] = {"description": "A bad path, query or header parameter; `error` "
-                               "names it.", "model": ValidationErrorResponse}
-_413: dict[str, Any] = {"description": f"The request body is over {MAX_BODY_BYTES} bytes; it is "
-                        "not read.", "model": ErrorResponse}
-_503: dict[str, Any] = {"description": "The store is unreachable; retry (see Retry-After).",
-                        "model": DetailResponse}
-_SESSION_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: _400_PARAMS, 401: _401, 403: _403, 413: _413, 503: _503}
-
-_RESOLVE_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: {"description": "The body cannot be used. `error` is one of the seeds' texts "
-                         "(`interrupt_id must be a non-empty string`, `approved must be a "
-                         "boolean`, `rejection_message must be a string`) or names what else is "
-                         "wrong (not JSON, not an object, an unknown field, a value too long, "
-                         "no session_id with an operator token).",
-          "model": ErrorResponse},
-    401: {**_401, "description": _401["description"] + " Checked before the body is read."},
-    403: {**_403, "description": "A genuine token without the `operate` permission (checked "
-                                 "before the body is read), or a body `session_id` that is not "
-                                 "the token's session."},
-    413: _413,
-    503: _503,
-}
-# The body is read by the route itself (after the token check), so FastAPI does not know it:
-# document it here.
-_RESOLVE_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": {"$ref": "#/components/schemas/ResolveRequest"}}}}}
-
 
 @dataclass
 class ApiState:
@@ -187,7 +160,7 @@ def operator_access(request: Request, credentials: Bearer,
                     token: QueryToken = None) -> OperatorAccess:
     """A caller with an operator token: a browser may pass it as ``?token=`` (it asked for
     HTML); a program sends the header."""
-    html = _prefers_html(request.headers.get("accept", ""))
+    html = prefers_html(request.headers.get("accept", ""))
     try:
         presented = pick_token(credentials, token if html else None)
         claims = check_token(_state(request).secret, presented, None, VIEW)
@@ -204,7 +177,7 @@ router = APIRouter()
 
 
 @router.post("/interrupts/resolve", response_model=ResolveResponse,
-             responses=_RESOLVE_RESPONSES, openapi_extra=_RESOLVE_BODY, tags=["approvals"])
+             responses=RESOLVE_RESPONSES, openapi_extra=RESOLVE_BODY, tags=["approvals"])
 async def resolve_interrupt(request: Request, credentials: Bearer) -> Response:
     """Approve or reject one pending call: the seeds' route.
 
@@ -249,12 +222,12 @@ async def resolve_interrupt(request: Request, credentials: Bearer) -> Response:
 @router.get(
     "/sessions",
     response_model=PendingSessions,
-    responses={**_SESSION_RESPONSES,
+    responses={**SESSION_RESPONSES,
                200: {"description": "JSON for programs; HTML (links to each session page, "
                                     "carrying the token) when the client prefers text/html, "
                                     "as a browser does.",
                      "content": {"text/html": {}}},
-               403: {**_403, "description": "A session token: the list needs an operator "
+               403: {**AUTH_403, "description": "A session token: the list needs an operator "
                                             "token (`dex-tasks token --all-sessions`)."}},
     tags=["sessions"],
 )
@@ -277,9 +250,9 @@ def list_sessions(
 
 
 @router.get("/sessions/{session_id}", response_class=HTMLResponse,
-            responses={401: {"description": _401["description"], "content": {"text/html": {}}},
-                       403: {"description": _403["description"], "content": {"text/html": {}}},
-                       400: _400_PARAMS, 413: _413},
+            responses={401: {"description": AUTH_401["description"], "content": {"text/html": {}}},
+                       403: {"description": AUTH_403["description"], "content": {"text/html": {}}},
+                       400: PARAMS_400, 413: BODY_413},
             tags=["sessions"])
 def session_page(
     request: Request,
@@ -295,7 +268,7 @@ def session_page(
 
 
 @router.get("/sessions/{session_id}/snapshot", response_model=AgentSnapshot,
-            responses=_SESSION_RESPONSES, tags=["sessions"])
+            responses=SESSION_RESPONSES, tags=["sessions"])
 def snapshot(
     request: Request,
     session_id: SessionId,
@@ -313,7 +286,7 @@ def snapshot(
 
 @router.get(
     "/sessions/{session_id}/events",
-    responses={**_SESSION_RESPONSES,
+    responses={**SESSION_RESPONSES,
                400: {"description": "A bad cursor: `after` or `Last-Event-ID` not an integer "
                                     "from 0 to 2^63-1 (`error` names which).",
                      "model": ErrorResponse},
@@ -389,24 +362,6 @@ def root() -> RedirectResponse:
     return RedirectResponse("/docs")
 
 
-def _prefers_html(accept: str) -> bool:
-    """Whether an ``Accept`` header ranks text/html above application/json (a browser's does;
-    ``*/*``, curl's and httpx's default, does not)."""
-    quality: dict[str, float] = {}
-    for part in accept.split(","):
-        media, *params = (p.strip() for p in part.split(";"))
-        q = 1.0
-        for param in params:
-            name, _, value = param.partition("=")
-            if name.strip() == "q":
-                try:
-                    q = float(value)
-                except ValueError:
-                    q = 0.0
-        quality[media.lower()] = max(q, quality.get(media.lower(), 0.0))
-    return quality.get("text/html", 0.0) > quality.get("application/json", 0.0)
-
-
 async def _invalid_request(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     return JSONResponse(validation_error_body(exc), status_code=400)
@@ -433,24 +388,6 @@ async def _store_down(_: Request, exc: Exception) -> JSONResponse:
     log.error("store unavailable", extra={"action": "http_store_unavailable", "error": str(exc)})
     return JSONResponse({"detail": "the store is unavailable, try again"}, status_code=503,
                         headers={"Retry-After": "1"})
-
-
-def _openapi(api: FastAPI) -> dict[str, Any]:
-    """The schema FastAPI generates, corrected where our routes answer differently: bad
-    parameters are 400 (not FastAPI's 422), and the resolve body is documented."""
-    if api.openapi_schema is None:
-        schema = get_openapi(title=api.title, version=api.version, summary=api.summary,
-                             routes=api.routes)
-        for path in schema["paths"].values():
-            for operation in path.values():
-                operation.get("responses", {}).pop("422", None)
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for unused in ("HTTPValidationError", "ValidationError"):
-            components.pop(unused, None)
-        components["ResolveRequest"] = ResolveRequest.model_json_schema(
-            ref_template="#/components/schemas/{model}")
-        api.openapi_schema = schema
-    return api.openapi_schema
 
 
 def create_api(
@@ -495,7 +432,7 @@ def create_api(
     api.add_middleware(BodyLimit, limit=max_body_bytes)
     api.include_router(router)
     api.mount("/static", StaticFiles(packages=[("dex_tasks.api", "static")]), name="static")
-    api.openapi = lambda: _openapi(api)  # type: ignore[method-assign]
+    api.openapi = lambda: openapi_schema(api)  # type: ignore[method-assign]
     return api
 
 

@@ -127,3 +127,21 @@ def _iso(ts: float) -> str:
 
 def _utc(ts: float) -> str:
     return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def prefers_html(accept: str) -> bool:
+    """Whether an ``Accept`` header ranks text/html above application/json (a browser's does;
+    ``*/*``, curl's and httpx's default, does not)."""
+    quality: dict[str, float] = {}
+    for part in accept.split(","):
+        media, *params = (p.strip() for p in part.split(";"))
+        q = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        quality[media.lower()] = max(q, quality.get(media.lower(), 0.0))
+    return quality.get("text/html", 0.0) > quality.get("application/json", 0.0)
