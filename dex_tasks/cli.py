@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import tempfile
+from typing import Literal
 
 import typer
 from rich.console import Console
@@ -205,16 +206,32 @@ def show(key: str = typer.Argument(..., help="The call's idempotency key.")) -> 
 
 @app.command()
 def token(
-    session_id: str = typer.Argument(..., help="The session the token lets its holder operate."),
+    session_id: str | None = typer.Argument(
+        None, help="The session the token is for (omit with --all-sessions)."),
+    all_sessions: bool = typer.Option(
+        False, "--all-sessions",
+        help="An operator token, valid for every session, which also opens GET /sessions "
+             "(the sessions waiting for a decision).",
+    ),
+    permission: Literal["view", "operate"] = typer.Option(
+        "operate", "--permission",
+        help="operate: read and decide approvals; view: read only (the page shows no "
+             "Approve/Reject).",
+    ),
     ttl: float = typer.Option(3600.0, "--ttl", help="Seconds until the token expires."),
     approver: str | None = typer.Option(
         None, "--approver", help="The name recorded with each decision made with the token."
     ),
 ) -> None:
-    """Print a token, signed with DEX_SECRET_KEY, to operate SESSION_ID (API and page)."""
+    """Print a token, signed with DEX_SECRET_KEY, for the HTTP API and the session page.
+
+    Open the page at /sessions/SESSION_ID?token=TOKEN (an operator token: /sessions?token=TOKEN).
+    """
     from dex_tasks.errors import DexError
     from dex_tasks.tokens import issue_token
 
+    if all_sessions == (session_id is not None):
+        raise typer.BadParameter("give a SESSION_ID or --all-sessions (exactly one)")
     settings = DexSettings()
     try:
         secret = settings.signing_key()
@@ -222,7 +239,8 @@ def token(
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     try:
-        typer.echo(issue_token(secret, session_id, ttl, approver))
+        typer.echo(issue_token(secret, session_id, ttl, approver, permissions=(permission,),
+                               all_sessions=all_sessions))
     except DexError as err:
         raise typer.BadParameter(str(err)) from None
 

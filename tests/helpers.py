@@ -7,9 +7,12 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 
@@ -158,6 +161,27 @@ def start_process(args: list[str], env: dict[str, str], log_path: Path) -> subpr
         )
     finally:
         log.close()
+
+
+@contextmanager
+def served(app: Any) -> Iterator[str]:
+    """``app`` served by uvicorn on a free port in a thread of this process; yields its URL.
+
+    For what needs a real socket: event streams that never end, raw requests whose body is
+    never sent."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, 10, "uvicorn to start")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def user_messages(snapshot: AgentSnapshot) -> list[SessionMessage]:

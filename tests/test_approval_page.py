@@ -4,66 +4,27 @@ headless Chromium (Debian's package, driven by Playwright), a person approving a
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 from dex_tasks import CallStatus, DexClient
 from dex_tasks.tokens import issue_token
+from tests.browser import CHROMIUM, CHROMIUM_ARGS, ApiProcess, api_process, playwright_or_skip
 from tests.conftest import StartWorker
-from tests.helpers import free_port, start_process, wait_until
+from tests.helpers import wait_until
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                 "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
 SESSION = "sess-page"
 
-playwright_sync = pytest.importorskip("playwright.sync_api")
-if not os.path.exists(CHROMIUM):
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium")
-    pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)",
-                allow_module_level=True)
-
-
-@dataclass
-class ApiProcess:
-    url: str
-    log_path: Path
-    proc: subprocess.Popen[bytes]
+playwright_sync = playwright_or_skip()
 
 
 @pytest.fixture
 def api(env: dict[str, str], tmp_path: Path) -> Iterator[ApiProcess]:
-    """``dex-tasks api`` as a subprocess on a free port."""
-    port = free_port()
-    log_path = tmp_path / "api.log"
-    proc = start_process(["api", "--host", "127.0.0.1", "--port", str(port)], env, log_path)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"dex-tasks api exited:\n{log_path.read_text()}")
-        try:
-            return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(healthy, 30, "dex-tasks api to answer /healthz")
-    yield ApiProcess(url, log_path, proc)
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+    with api_process(env, tmp_path) as process:
+        yield process
 
 
 def _refund(client: DexClient, call_id: str, charge: str, amount: int) -> tuple[str, str]:
@@ -87,10 +48,12 @@ def test_person_approves_one_call_and_rejects_another_in_the_browser(
     with playwright_sync.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1100, "height": 1000})
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
             errors: list[str] = []
             page.on("pageerror", lambda err: errors.append(str(err)))
+            # The page's old address (in links already handed out) redirects to the new one.
             page.goto(f"{url}/sessions/{SESSION}/approvals?token={token}")
+            assert page.url == f"{url}/sessions/{SESSION}?token={token}"
             expect = playwright_sync.expect
 
             # Given two cards waiting, each with its tool, arguments, effect and countdown

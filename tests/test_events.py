@@ -7,20 +7,19 @@ with a real worker running the calls.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
+import workers.example_tools  # noqa: F401 - registers lookup_order in this process
 from dex_tasks import CallStatus, DexClient, DexSettings
 from dex_tasks.api import create_api
 from dex_tasks.tokens import issue_token
 from tests.conftest import StartWorker
-from tests.helpers import free_port, wait_until
+from tests.helpers import served, wait_until
 
 SESSION = "sess-events"
 
@@ -35,20 +34,13 @@ class Sse:
 @pytest.fixture
 def base_url(settings: DexSettings) -> Iterator[str]:
     """The API served by uvicorn in a thread of this process."""
-    app = create_api(settings, event_poll_seconds=0.05, heartbeat_seconds=0.5)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", log_config=None))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started, 10, "uvicorn to start")
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with served(create_api(settings, event_poll_seconds=0.05, heartbeat_seconds=0.5)) as url:
+        yield url
 
 
 def _token(session: str = SESSION) -> str:
-    return issue_token("test-secret-key", session)  # tests.conftest.fast_settings' key
+    # tests.conftest.fast_settings' key; reading the stream needs only the view permission.
+    return issue_token("test-secret-key", session, permissions=["view"])
 
 
 def read_events(response: httpx.Response, until: Any, limit: int = 50) -> list[Sse]:
@@ -146,3 +138,32 @@ def test_stream_closes_when_the_client_goes_and_refuses_other_sessions(
         # When the client disconnects, the server's poll loop ends too.
         wait_until(lambda: http.get("/healthz").json()["event_streams"] == 0, 10,
                    "the server to close the stream")
+
+
+def test_the_largest_cursor_streams_and_one_past_it_is_refused_before_the_stream(
+    base_url: str, client: DexClient
+) -> None:
+    # Given a session with events, a cursor at the top of the 64-bit range streams (nothing
+    # after it) instead of failing in the store once the stream has begun.
+    headers = {"Authorization": f"Bearer {_token()}"}
+    client.call_tool(session_id=SESSION, turn_id="t1", tool_call_id="c1",
+                     tool="lookup_order", arguments={"order_id": "1001"})
+    with httpx.Client(base_url=base_url, timeout=20) as http:
+        for params, extra in (({"after": 2**63 - 1}, {}),
+                              ({}, {"Last-Event-ID": str(2**63 - 1)})):
+            with http.stream("GET", f"/sessions/{SESSION}/events", params=params,
+                             headers={**headers, **extra}) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    assert not line.startswith(("id:", "data:")), line
+                    if line.startswith(": keep-alive"):
+                        break  # polled the store at least once past the start, and lives
+        # One past it (or any other bad cursor) is a 400 that names the field, not a 200
+        # whose stream aborts.
+        for params, extra, field in (({"after": 2**63}, {}, "after"),
+                                     ({}, {"Last-Event-ID": str(2**64)}, "Last-Event-ID"),
+                                     ({"after": "-5"}, {}, "after")):
+            refused = http.get(f"/sessions/{SESSION}/events", params=params,
+                               headers={**headers, **extra})
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"].startswith(f"{field} must be an integer")

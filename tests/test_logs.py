@@ -160,14 +160,14 @@ def test_api_access_log_redacts_approval_tokens(env: dict[str, str], tmp_path: P
 
         def get() -> httpx.Response | None:
             try:
-                return httpx.get(f"http://127.0.0.1:{port}/sessions/s1/approvals",
+                return httpx.get(f"http://127.0.0.1:{port}/sessions/s1",
                                  params={"token": token}, timeout=2)
             except httpx.TransportError:
                 return None
 
         response = wait_until(get, 30, "the API to answer")
         assert response.status_code == 200
-        wait_until(lambda: "/approvals" in err.read_text(), 10, "the access log line")
+        wait_until(lambda: "/sessions/s1?token=" in err.read_text(), 10, "the access log line")
     finally:
         proc.terminate()
         proc.wait(15)
@@ -175,7 +175,7 @@ def test_api_access_log_redacts_approval_tokens(env: dict[str, str], tmp_path: P
     # Then the access line is JSON and holds no token
     text = err.read_text()
     entries = [json.loads(line) for line in text.splitlines() if line.strip()]
-    access = [e for e in entries if "/approvals" in str(e["message"])]
+    access = [e for e in entries if "/sessions/s1?token=" in str(e["message"])]
     assert access and f"token={REDACTED}" in str(access[0]["message"])
     assert token not in text and token.split(".")[0] not in text
     assert SECRET not in text

@@ -1,17 +1,23 @@
-"""The FastAPI app: resolve approvals, read a session, stream its events, the approval page.
+"""The FastAPI app: resolve approvals, read a session, stream its events, the session pages.
 
 Routes (OpenAPI at ``/docs`` and ``/openapi.json``)::
 
-    POST /interrupts/resolve                 approve or reject one pending call
-    GET  /sessions/{session_id}/snapshot     the session: calls, messages, interrupts, decisions
+    POST /interrupts/resolve                 approve or reject one pending call (the seeds' body)
+    GET  /sessions                           sessions with approvals waiting (operator token)
+    GET  /sessions/{session_id}              the session page (HTML; the token may be ?token=)
+    GET  /sessions/{session_id}/snapshot     the session: transcript, calls, interrupts, decisions
     GET  /sessions/{session_id}/events       its transitions as Server-Sent Events
-    GET  /sessions/{session_id}/approvals    the approval page (HTML; the token may be ?token=)
+    GET  /sessions/{session_id}/approvals    the old page address: redirects, keeping ?token=
     GET  /healthz                            liveness and store reachability
     GET  /metrics                            Prometheus metrics (dex_tasks.metrics)
 
-Every session route needs a token signed for that session (see ``dex_tasks.api.auth``). The app
-owns one :class:`~dex_tasks.client.DexClient`, built from the settings it is given and closed at
-shutdown; nothing below reads the environment.
+Every session route needs a token for that session with the ``view`` permission; deciding needs
+``operate``; the list of sessions needs an operator token (see ``dex_tasks.api.auth``). Each route
+checks the token before it reads anything of the request body, and no body may pass 64 KiB
+(``dex_tasks.api.limits``). Bad input gets 400 with an ``error`` text naming the field.
+
+The app owns one :class:`~dex_tasks.client.DexClient`, built from the settings it is given and
+closed at shutdown; nothing below reads the environment.
 """
 
 from __future__ import annotations
@@ -21,7 +27,6 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from importlib import resources
 from typing import Annotated, Any
 
 from fastapi import (
@@ -46,21 +51,37 @@ from fastapi.responses import (
 from fastapi.security import HTTPAuthorizationCredentials
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy import text
+from starlette.concurrency import run_in_threadpool
 
 from dex_tasks.api.auth import (
+    authenticate,
+    authorize,
     bearer_scheme,
-    body_session_id,
     check_token,
     pick_token,
     query_token_scheme,
-    unauthorized,
 )
-from dex_tasks.api.events import StreamCounter, event_stream
+from dex_tasks.api.events import StreamCounter, event_stream, parse_cursor
+from dex_tasks.api.inbox import DEFAULT_LIMIT, MAX_LIMIT, pending_sessions, session_page_path
+from dex_tasks.api.limits import MAX_BODY_BYTES, BodyLimit, BodyTooLargeError, too_large_response
+from dex_tasks.api.openapi import (
+    AUTH_401,
+    AUTH_403,
+    BODY_413,
+    PARAMS_400,
+    RESOLVE_BODY,
+    RESOLVE_RESPONSES,
+    SESSION_RESPONSES,
+    openapi_schema,
+)
+from dex_tasks.api.pages import PAGE_HEADERS, Pages, error_page, prefers_html
 from dex_tasks.api.schemas import (
+    BodyError,
+    ErrorResponse,
     HealthResponse,
-    ResolveRequest,
+    PendingSessions,
     ResolveResponse,
-    ValidationErrorResponse,
+    parse_resolve_body,
     validation_error_body,
 )
 from dex_tasks.client import DexClient
@@ -68,7 +89,7 @@ from dex_tasks.errors import InvalidArgumentError, StoreUnavailableError
 from dex_tasks.metrics import metrics_redis, render_metrics
 from dex_tasks.records import AgentSnapshot
 from dex_tasks.settings import DexSettings
-from dex_tasks.tokens import TokenClaims
+from dex_tasks.tokens import OPERATE, VIEW, TokenClaims
 
 log = logging.getLogger(__name__)
 
@@ -76,36 +97,16 @@ SessionId = Annotated[str, Path(min_length=1, max_length=200, description="The s
 Bearer = Annotated[HTTPAuthorizationCredentials | None, Security(bearer_scheme)]
 QueryToken = Annotated[str | None, Security(query_token_scheme)]
 
-_AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
-    401: {"description": "No token, or a malformed, forged or expired one."},
-    403: {"description": "A valid token for another session."},
-    422: {"description": "The request has the wrong shape; `message` names the field.",
-          "model": ValidationErrorResponse},
-}
-
-# The page loads only our own script and stylesheet and talks only to this origin, so tool
-# arguments rendered into it can never pull in or run anything else.
-_PAGE_HEADERS = {
-    "Cache-Control": "no-store",
-    "Referrer-Policy": "no-referrer",
-    "X-Content-Type-Options": "nosniff",
-    "X-Frame-Options": "DENY",
-    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
-    "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
-    "frame-ancestors 'none'",
-}
-
-
 @dataclass
 class ApiState:
-    """What the routes share: the app's one client, the signing key, stream tuning."""
+    """What the routes share: the app's one client, the signing key, stream tuning, pages."""
 
     client: DexClient
     secret: str
     streams: StreamCounter
     event_poll_seconds: float
     heartbeat_seconds: float
-    page_html: str
+    pages: Pages
 
 
 def _state(request: Request) -> ApiState:
@@ -116,25 +117,58 @@ def _state(request: Request) -> ApiState:
 # -- auth dependencies ----------------------------------------------------------------------
 
 
-async def resolve_claims(request: Request, credentials: Bearer) -> TokenClaims | None:
-    """The resolve route's caller: checked against the body's session_id, before validation."""
-    # A caller without a valid token gets 401/403 whatever body it sent.
-    token = pick_token(credentials)
-    session_id = await body_session_id(request)
-    if session_id is None:
-        return None  # the body is malformed: validation answers 422 naming the field
-    return check_token(_state(request).secret, token, session_id)
+def view_claims(request: Request, session_id: SessionId, credentials: Bearer) -> TokenClaims:
+    """A reader of a session, by ``Authorization: Bearer`` only."""
+    return check_token(_state(request).secret, pick_token(credentials), session_id, VIEW)
 
 
-def header_claims(request: Request, session_id: SessionId, credentials: Bearer) -> TokenClaims:
-    """A caller of a session route, by ``Authorization: Bearer`` only."""
-    return check_token(_state(request).secret, pick_token(credentials), session_id)
+def link_view_claims(request: Request, session_id: SessionId, credentials: Bearer,
+                     token: QueryToken = None) -> TokenClaims:
+    """A reader by header or ``?token=``: only for what a browser opens without headers."""
+    return check_token(_state(request).secret, pick_token(credentials, token), session_id, VIEW)
 
 
-def link_claims(request: Request, session_id: SessionId, credentials: Bearer,
-                token: QueryToken = None) -> TokenClaims:
-    """A caller by header or ``?token=``: only for what a browser opens without headers."""
-    return check_token(_state(request).secret, pick_token(credentials, token), session_id)
+class PageRefusedError(Exception):
+    """A 401/403 on a page a person opened: answered in HTML, saying what to ask for."""
+
+    def __init__(self, err: HTTPException) -> None:
+        super().__init__(str(err.detail))
+        self.status_code = err.status_code
+        self.headers = err.headers or {}
+
+
+def page_view_claims(request: Request, session_id: SessionId, credentials: Bearer,
+                     token: QueryToken = None) -> tuple[TokenClaims, str]:
+    """The session page's reader (header or ``?token=``) and the token they presented."""
+    try:
+        presented = pick_token(credentials, token)
+        return check_token(_state(request).secret, presented, session_id, VIEW), presented
+    except HTTPException as err:
+        raise PageRefusedError(err) from err
+
+
+@dataclass(frozen=True)
+class OperatorAccess:
+    """An operator token's holder, the token they presented, and whether they want HTML."""
+
+    claims: TokenClaims
+    token: str
+    html: bool
+
+
+def operator_access(request: Request, credentials: Bearer,
+                    token: QueryToken = None) -> OperatorAccess:
+    """A caller with an operator token: a browser may pass it as ``?token=`` (it asked for
+    HTML); a program sends the header."""
+    html = prefers_html(request.headers.get("accept", ""))
+    try:
+        presented = pick_token(credentials, token if html else None)
+        claims = check_token(_state(request).secret, presented, None, VIEW)
+    except HTTPException as err:
+        if html:
+            raise PageRefusedError(err) from err
+        raise
+    return OperatorAccess(claims, presented, html)
 
 
 # -- routes ---------------------------------------------------------------------------------
@@ -142,40 +176,105 @@ def link_claims(request: Request, session_id: SessionId, credentials: Bearer,
 router = APIRouter()
 
 
-@router.post("/interrupts/resolve", responses=_AUTH_RESPONSES, tags=["approvals"])
-def resolve_interrupt(
-    request: Request,
-    body: ResolveRequest,
-    claims: Annotated[TokenClaims | None, Depends(resolve_claims)],
-) -> ResolveResponse:
-    """Approve or reject one pending call. The first decision wins; later ones get
-    ``accepted: false`` and change nothing, so a client may retry freely. The decision is
-    recorded with the approver named in the token."""
-    if claims is None:  # unreachable: a body without session_id fails validation first
-        raise unauthorized("the token could not be checked against the body's session_id")
-    accepted = _state(request).client.resolve_interrupt(
-        body.session_id,
-        body.interrupt_id,
-        body.approved,
-        rejection_message=body.rejection_message,
-        approver=claims.approver,
+@router.post("/interrupts/resolve", response_model=ResolveResponse,
+             responses=RESOLVE_RESPONSES, openapi_extra=RESOLVE_BODY, tags=["approvals"])
+async def resolve_interrupt(request: Request, credentials: Bearer) -> Response:
+    """Approve or reject one pending call: the seeds' route.
+
+    Body: ``{"interrupt_id": str, "approved": bool, "rejection_message": str | null}``; the
+    session is the token's (an optional ``session_id`` must equal it). The first decision wins;
+    later ones get ``accepted: false`` and change nothing, so a client may retry freely. The
+    decision is recorded with the approver named in the token, never one named in the body.
+
+    Order: the token (401), its ``operate`` permission (403), then the body (413 past 64 KiB,
+    400 naming what is wrong), then the body's session against the token's (403).
+    """
+    state = _state(request)
+    # Nothing of the body has been read yet: a caller without a valid operate token is
+    # answered from the headers alone, whatever it sends.
+    claims = authenticate(state.secret, pick_token(credentials))
+    # The token's own scope (its session, or every session for an operator token): this
+    # checks the permission alone, with the reason in the 403.
+    authorize(claims, claims.session_id, OPERATE)
+    try:
+        body = parse_resolve_body(await request.body())
+    except BodyError as err:
+        return JSONResponse({"error": str(err)}, status_code=400)
+    if body.session_id is not None:
+        authorize(claims, body.session_id, OPERATE)
+    session_id = body.session_id or claims.session_id
+    if session_id is None:
+        return JSONResponse({"error": "session_id is required with an operator "
+                                      "(all-sessions) token, which names no session"},
+                            status_code=400)
+    accepted = await run_in_threadpool(
+        state.client.resolve_interrupt, session_id, body.interrupt_id, body.approved,
+        rejection_message=body.rejection_message, approver=claims.approver,
     )
     log.info("interrupt resolve requested", extra={
-        "action": "http_interrupt_resolve", "session_id": body.session_id,
+        "action": "http_interrupt_resolve", "session_id": session_id,
         "interrupt_id": body.interrupt_id, "approved": body.approved,
         "accepted": accepted, "approver": claims.approver,
     })
-    return ResolveResponse(accepted=accepted)
+    return JSONResponse(ResolveResponse(accepted=accepted).model_dump())
+
+
+@router.get(
+    "/sessions",
+    response_model=PendingSessions,
+    responses={**SESSION_RESPONSES,
+               200: {"description": "JSON for programs; HTML (links to each session page, "
+                                    "carrying the token) when the client prefers text/html, "
+                                    "as a browser does.",
+                     "content": {"text/html": {}}},
+               403: {**AUTH_403, "description": "A session token: the list needs an operator "
+                                            "token (`dex-tasks token --all-sessions`)."}},
+    tags=["sessions"],
+)
+def list_sessions(
+    request: Request,
+    access: Annotated[OperatorAccess, Depends(operator_access)],
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT,
+                                description="At most this many sessions.")] = DEFAULT_LIMIT,
+) -> Response:
+    """The sessions with approvals waiting, newest request first (an operator's inbox).
+
+    Needs an operator token (``dex-tasks token --all-sessions``). A browser gets a page and may
+    pass the token as ``?token=``; a program gets JSON and sends the token as a header."""
+    state = _state(request)
+    listing = pending_sessions(state.client.store, limit)
+    if access.html:
+        return HTMLResponse(state.pages.sessions_page(listing, access.claims, access.token),
+                            headers=PAGE_HEADERS)
+    return JSONResponse(listing.model_dump(mode="json"), headers={"Cache-Control": "no-store"})
+
+
+@router.get("/sessions/{session_id}", response_class=HTMLResponse,
+            responses={401: {"description": AUTH_401["description"], "content": {"text/html": {}}},
+                       403: {"description": AUTH_403["description"], "content": {"text/html": {}}},
+                       400: PARAMS_400, 413: BODY_413},
+            tags=["sessions"])
+def session_page(
+    request: Request,
+    session_id: SessionId,
+    reader: Annotated[tuple[TokenClaims, str], Depends(page_view_claims)],
+) -> HTMLResponse:
+    """The session page for a person (what the seeds call the "Agent session" tab): the
+    transcript, the approvals waiting, the decided ones, live. Open it with ``?token=<token>``
+    (a link cannot carry a header). A token without ``operate`` sees it read-only."""
+    claims, presented = reader
+    return HTMLResponse(_state(request).pages.session_page(session_id, claims, presented),
+                        headers=PAGE_HEADERS)
 
 
 @router.get("/sessions/{session_id}/snapshot", response_model=AgentSnapshot,
-            responses=_AUTH_RESPONSES, tags=["sessions"])
+            responses=SESSION_RESPONSES, tags=["sessions"])
 def snapshot(
     request: Request,
     session_id: SessionId,
-    _claims: Annotated[TokenClaims, Depends(header_claims)],
+    _claims: Annotated[TokenClaims, Depends(view_claims)],
 ) -> JSONResponse:
-    """The session as it stands: tool calls, messages, pending interrupts and decisions.
+    """The session as it stands: its transcript, tool calls, pending interrupts and decisions.
 
     ``X-Server-Time`` (epoch seconds) lets the page count deadlines down on the server's clock
     rather than the browser's."""
@@ -187,7 +286,10 @@ def snapshot(
 
 @router.get(
     "/sessions/{session_id}/events",
-    responses={**_AUTH_RESPONSES,
+    responses={**SESSION_RESPONSES,
+               400: {"description": "A bad cursor: `after` or `Last-Event-ID` not an integer "
+                                    "from 0 to 2^63-1 (`error` names which).",
+                     "model": ErrorResponse},
                200: {"description": "Server-Sent Events: `id:` the cursor, `event:` the event "
                                     "name, `data:` the event as JSON.",
                      "content": {"text/event-stream": {}}}},
@@ -197,18 +299,24 @@ def snapshot(
 async def events(
     request: Request,
     session_id: SessionId,
-    _claims: Annotated[TokenClaims, Depends(link_claims)],
-    after: Annotated[int, Query(ge=0, description="Send events after this cursor.")] = 0,
-    last_event_id: Annotated[int | None, Header(
-        alias="Last-Event-ID", ge=0,
+    _claims: Annotated[TokenClaims, Depends(link_view_claims)],
+    after: Annotated[str | None, Query(
+        description="Send events after this cursor (an integer from 0 to 2^63-1).",
+    )] = None,
+    last_event_id: Annotated[str | None, Header(
+        alias="Last-Event-ID",
         description="Sent by a reconnecting EventSource; wins over `after` when later.",
     )] = None,
-) -> StreamingResponse:
+) -> Response:
     """The session's transitions, live, as Server-Sent Events; resumable by cursor.
 
-    Accepts ``?token=`` because the browser's EventSource cannot send headers."""
+    Accepts ``?token=`` because the browser's EventSource cannot send headers. Cursors are
+    checked before the stream starts, so a bad one gets 400, never a stream that aborts."""
+    try:
+        start = max(parse_cursor("after", after), parse_cursor("Last-Event-ID", last_event_id))
+    except ValueError as err:
+        return JSONResponse({"error": str(err)}, status_code=400)
     state = _state(request)
-    start = max(after, last_event_id or 0)
     return StreamingResponse(
         event_stream(request, state.client, session_id, start, counter=state.streams,
                      poll_seconds=state.event_poll_seconds,
@@ -219,21 +327,16 @@ async def events(
     )
 
 
-@router.get("/sessions/{session_id}/approvals", response_class=HTMLResponse,
-            responses=_AUTH_RESPONSES, tags=["approvals"])
-def approval_page(
-    request: Request, session_id: SessionId, credentials: Bearer, token: QueryToken = None,
-) -> HTMLResponse:
-    """The approval page for a person: open it with ``?token=<token>`` (a link cannot carry
-    a header)."""
-    state = _state(request)
-    try:
-        check_token(state.secret, pick_token(credentials, token), session_id)
-    except HTTPException as err:
-        # A person reads this, not a program: say what to do, in HTML.
-        return HTMLResponse(_error_page(err), status_code=err.status_code,
-                            headers={**_PAGE_HEADERS, **(err.headers or {})})
-    return HTMLResponse(state.page_html, headers=_PAGE_HEADERS)
+@router.get("/sessions/{session_id}/approvals", status_code=308, response_class=Response,
+            responses={308: {"description": "To `/sessions/{session_id}`, query kept."}},
+            tags=["sessions"])
+def approvals_page(request: Request, session_id: SessionId) -> RedirectResponse:
+    """The approval page's old address: links already handed out keep working (the page they
+    reach checks their token)."""
+    target = session_page_path(session_id)
+    query = request.url.query
+    return RedirectResponse(f"{target}?{query}" if query else target, status_code=308,
+                            headers={"Referrer-Policy": "no-referrer"})
 
 
 @router.get("/healthz", tags=["operations"])
@@ -261,12 +364,24 @@ def root() -> RedirectResponse:
 
 async def _invalid_request(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return JSONResponse(validation_error_body(exc), status_code=422)
+    return JSONResponse(validation_error_body(exc), status_code=400)
 
 
 async def _invalid_argument(_: Request, exc: Exception) -> JSONResponse:
-    # The library's own checks (they name the field), for anything the schema let through.
-    return JSONResponse({"message": f"invalid request: {exc}", "detail": []}, status_code=422)
+    # The library's own checks (they name the field), for anything the route let through.
+    return JSONResponse({"error": f"invalid request: {exc}"}, status_code=400)
+
+
+async def _page_refused(_: Request, exc: Exception) -> HTMLResponse:
+    # A person reads this, not a program: say what to do, in HTML.
+    assert isinstance(exc, PageRefusedError)
+    return HTMLResponse(error_page(exc.status_code, str(exc)), status_code=exc.status_code,
+                        headers={**PAGE_HEADERS, **exc.headers})
+
+
+async def _too_large(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, BodyTooLargeError)
+    return too_large_response(exc.limit)
 
 
 async def _store_down(_: Request, exc: Exception) -> JSONResponse:
@@ -280,11 +395,13 @@ def create_api(
     *,
     event_poll_seconds: float = 0.25,
     heartbeat_seconds: float = 15.0,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The HTTP API for ``settings``'s store, broker and signing key.
 
     ``event_poll_seconds`` is how often an open event stream reads the store for new events;
-    ``heartbeat_seconds`` how long a stream may stay silent before a keep-alive comment.
+    ``heartbeat_seconds`` how long a stream may stay silent before a keep-alive comment;
+    ``max_body_bytes`` the largest request body any route accepts.
     """
     secret = settings.signing_key()  # first: no API at all without a real signing key
     client = DexClient(settings)
@@ -306,14 +423,17 @@ def create_api(
         streams=StreamCounter(),
         event_poll_seconds=event_poll_seconds,
         heartbeat_seconds=heartbeat_seconds,
-        page_html=resources.files("dex_tasks.api").joinpath("approvals.html")
-        .read_text("utf-8"),
+        pages=Pages(),
     )
     api.add_exception_handler(RequestValidationError, _invalid_request)
     api.add_exception_handler(InvalidArgumentError, _invalid_argument)
+    api.add_exception_handler(BodyTooLargeError, _too_large)
+    api.add_exception_handler(PageRefusedError, _page_refused)
     api.add_exception_handler(StoreUnavailableError, _store_down)
+    api.add_middleware(BodyLimit, limit=max_body_bytes)
     api.include_router(router)
     api.mount("/static", StaticFiles(packages=[("dex_tasks.api", "static")]), name="static")
+    api.openapi = lambda: openapi_schema(api)  # type: ignore[method-assign]
     return api
 
 
@@ -344,16 +464,3 @@ def serve(settings: DexSettings, host: str = "127.0.0.1", port: int = 8000,
 def from_env() -> FastAPI:
     """``uvicorn --factory dex_tasks.api.app:from_env``: the API configured from ``DEX_*``."""
     return create_api(DexSettings())
-
-
-def _error_page(err: HTTPException) -> str:
-    import html
-
-    title = "Not allowed" if err.status_code == 403 else "Sign-in link needed"
-    return (
-        "<!doctype html><html lang=en><meta charset=utf-8>"
-        f"<title>{title} - dex-tasks</title>"
-        f"<h1>{title}</h1><p>{html.escape(str(err.detail))}</p>"
-        "<p>Ask an operator for a fresh link: <code>dex-tasks token SESSION_ID</code> prints "
-        "a token; open <code>/sessions/SESSION_ID/approvals?token=TOKEN</code>.</p></html>"
-    )

@@ -1,39 +1,41 @@
-"""Who may call the HTTP API: a signed session token, checked before anything is read or changed.
+"""Who may call the HTTP API: a signed token, checked before anything is read or changed.
 
-The token travels as ``Authorization: Bearer <token>``. Two routes also accept it as a
-``?token=`` query parameter: the approval page (a person opens it from a link, and a link cannot
-carry a header) and its event stream (the browser's ``EventSource`` cannot send headers). A URL
-ends up in browser history and proxy logs, so every other route takes the header only; our own
-logs redact ``token=`` values (``dex_tasks.logs``) and the page is served with
-``Referrer-Policy: no-referrer`` so the link does not leak to other sites.
+The token travels as ``Authorization: Bearer <token>``. The pages a person opens from a link
+(the session page, the sessions list) and the session page's event stream also accept it as a
+``?token=`` query parameter: a link cannot carry a header, and the browser's ``EventSource``
+cannot send one. A URL ends up in browser history and proxy logs, so every route a program calls
+takes the header only; our own logs redact ``token=`` values (``dex_tasks.logs``) and pages are
+served with ``Referrer-Policy: no-referrer`` so the link does not leak to other sites.
 
 Failures map to HTTP as the design says: no token, a malformed, forged or expired one -> 401;
-a valid token for another session -> 403. Nothing is read or changed before that answer.
+a genuine token for another session, or without the permission the route needs (``view`` to
+read, ``operate`` to decide, an operator token to list every session) -> 403. Routes call these
+functions first: nothing of the request body is read before that answer.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
-from fastapi import HTTPException, Request, status
+from fastapi import HTTPException, status
 from fastapi.security import APIKeyQuery, HTTPAuthorizationCredentials, HTTPBearer
 
 from dex_tasks.errors import ForbiddenSessionError, InvalidTokenError
-from dex_tasks.tokens import TokenClaims, verify_token
+from dex_tasks.tokens import TokenClaims, read_token
 
 log = logging.getLogger(__name__)
 
 # auto_error=False: we answer 401 ourselves, with a message and the WWW-Authenticate header.
 bearer_scheme = HTTPBearer(
     auto_error=False,
-    description="A session token from `dex-tasks token SESSION_ID`.",
+    description="A token from `dex-tasks token SESSION_ID [--permission view|operate]`, or an "
+    "operator token from `dex-tasks token --all-sessions`.",
 )
 query_token_scheme = APIKeyQuery(
     name="token",
     auto_error=False,
-    description="The same token as a query parameter, for the approval page and its "
-    "EventSource stream, which cannot send headers.",
+    description="The same token as a query parameter, only for the pages a person opens from "
+    "a link and the session page's EventSource stream, which cannot send headers.",
 )
 
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="dex-tasks"'}
@@ -57,34 +59,31 @@ def pick_token(
                        "(get one with `dex-tasks token SESSION_ID`)")
 
 
-def check_token(secret: str, token: str, session_id: str) -> TokenClaims:
-    """Verify ``token`` for ``session_id``: the claims, or 401 (bad token) / 403 (other session)."""
+def authenticate(secret: str, token: str) -> TokenClaims:
+    """The claims of a genuine, unexpired token; 401 otherwise."""
     try:
-        return verify_token(secret, token, session_id)
-    except ForbiddenSessionError as err:
-        # A genuine token, but for another session or without the permission to operate it.
-        _refused("forbidden", session_id)
-        raise HTTPException(
-            status.HTTP_403_FORBIDDEN, detail=f"not allowed on session {session_id!r}: {err}",
-        ) from err
+        return read_token(secret, token)
     except InvalidTokenError as err:
-        _refused("invalid", session_id)
+        _refused("invalid", None)
         raise unauthorized(f"invalid token: {err}") from err
 
 
-async def body_session_id(request: Request) -> str | None:
-    """The body's ``session_id`` if the body is a JSON object with a non-empty string there.
-
-    Lets the resolve route authenticate before it validates the body, so a caller without a
-    valid token gets 401/403 whatever it sent. Starlette caches the body, so the route still
-    reads it afterwards; anything malformed is left for validation to name (422).
-    """
+def authorize(claims: TokenClaims, session_id: str | None, permission: str) -> None:
+    """403 unless ``claims`` grant ``permission`` on ``session_id`` (None: every session)."""
     try:
-        body: Any = await request.json()
-    except ValueError:
-        return None
-    value = body.get("session_id") if isinstance(body, dict) else None
-    return value if isinstance(value, str) and value else None
+        claims.require(session_id, permission)
+    except ForbiddenSessionError as err:
+        _refused("forbidden", session_id)
+        where = "every session" if session_id is None else f"session {session_id!r}"
+        raise HTTPException(status.HTTP_403_FORBIDDEN,
+                            detail=f"not allowed on {where}: {err}") from err
+
+
+def check_token(secret: str, token: str, session_id: str | None, permission: str) -> TokenClaims:
+    """Verify ``token`` grants ``permission`` on ``session_id``: the claims, or 401 / 403."""
+    claims = authenticate(secret, token)
+    authorize(claims, session_id, permission)
+    return claims
 
 
 def _refused(reason: str, session_id: str | None) -> None:

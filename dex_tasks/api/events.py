@@ -27,6 +27,25 @@ from dex_tasks.records import CallEvent
 log = logging.getLogger(__name__)
 
 RECONNECT_MILLISECONDS = 1000
+MAX_CURSOR = 2**63 - 1  # event ids are signed 64-bit integers in both stores
+
+
+def parse_cursor(field: str, value: str | None) -> int:
+    """A cursor from ``?after=`` or ``Last-Event-ID`` (None or empty: 0).
+
+    Raises ``ValueError`` naming ``field`` unless it is an integer from 0 to 2^63-1: the store
+    cannot compare a larger one, and the check must come before the stream starts (a stream
+    that has sent its 200 can only abort).
+    """
+    if value is None or value == "":
+        return 0
+    text = value.strip()
+    # Digits only (int() would also take "+5", "1_000" and non-ASCII digits), and a bounded
+    # length before converting: int() of thousands of digits is refused anyway.
+    if not (text.isascii() and text.isdigit()) or len(text) > 19 or int(text) > MAX_CURSOR:
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        raise ValueError(f"{field} must be an integer from 0 to {MAX_CURSOR}, got {shown!r}")
+    return int(text)
 
 
 def format_event(event: CallEvent) -> str:

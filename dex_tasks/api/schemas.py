@@ -1,28 +1,131 @@
-"""Request and response bodies of the HTTP API (its OpenAPI schema comes from these)."""
+"""Request and response bodies of the HTTP API (its OpenAPI schema comes from these).
+
+The resolve route's body is checked by :func:`parse_resolve_body`, not by FastAPI: the route must
+verify the token before a byte of the body is read, and a wrong body gets the seeds' exact
+texts (``{"error": "approved must be a boolean"}``), not a validation dump.
+:class:`ResolveRequest` documents the same rules in OpenAPI.
+"""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
 
+MAX_SESSION_ID_LENGTH = 200
+MAX_INTERRUPT_ID_LENGTH = 64
+MAX_REJECTION_MESSAGE_LENGTH = 4000
+
+# The seeds' texts, word for word: clients written against the seeds match on them.
+INTERRUPT_ID_ERROR = "interrupt_id must be a non-empty string"
+APPROVED_ERROR = "approved must be a boolean"
+REJECTION_MESSAGE_ERROR = "rejection_message must be a string"
+
 
 class ResolveRequest(BaseModel):
-    """A person's decision on one pending approval."""
+    """A person's decision on one pending approval (the seeds' body).
 
-    # strict: "approved": "yes" or 1 is a client bug, not a decision; forbid: a misspelt
-    # "rejection_mesage" must not silently drop the message the model was meant to read.
-    model_config = ConfigDict(strict=True, extra="forbid")
+    The session is the token's. ``session_id`` may be sent too; it must then be the token's
+    session (else 403). An operator token names no session, so with one it is required.
+    Fields not listed here are refused: a misspelt ``rejection_mesage`` must not silently drop
+    the message the model was meant to read.
+    """
 
-    session_id: str = Field(min_length=1, max_length=200, description="The call's session.")
-    interrupt_id: str = Field(min_length=1, max_length=64,
+    model_config = ConfigDict(extra="forbid")
+
+    interrupt_id: str = Field(min_length=1, max_length=MAX_INTERRUPT_ID_LENGTH,
                               description="From the snapshot's pending_interrupts.")
     approved: bool = Field(description="true runs the call; false rejects it.")
     rejection_message: str | None = Field(
-        default=None, max_length=4000,
+        default=None, max_length=MAX_REJECTION_MESSAGE_LENGTH,
         description="When rejecting: what the model is told. Ignored when approving.",
     )
+    session_id: str | None = Field(
+        default=None, min_length=1, max_length=MAX_SESSION_ID_LENGTH,
+        description="Optional: must equal the token's session. Required with an operator "
+                    "(--all-sessions) token.",
+    )
+
+
+class BodyError(ValueError):
+    """A resolve body that cannot be used; the message is the ``error`` text of the 400."""
+
+
+@dataclass(frozen=True)
+class ResolveBody:
+    """A resolve body that passed :func:`parse_resolve_body`."""
+
+    interrupt_id: str
+    approved: bool
+    rejection_message: str | None
+    session_id: str | None
+
+
+def parse_resolve_body(raw: bytes) -> ResolveBody:
+    """The decision in ``raw``, or :class:`BodyError` naming what is wrong.
+
+    Fields are checked in the seeds' order (interrupt_id, approved, rejection_message), so a
+    body with several faults gets the same text it would get from the seeds' route.
+    """
+    try:
+        body: Any = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise BodyError(f"the body must be a JSON object; it is not valid JSON ({err})") from None
+    except RecursionError:
+        raise BodyError("the body must be a JSON object; it is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise BodyError(f"the body must be a JSON object, got a JSON {_json_kind(body)}")
+    interrupt_id = body.get("interrupt_id")
+    if not isinstance(interrupt_id, str) or not interrupt_id:
+        raise BodyError(INTERRUPT_ID_ERROR)
+    _check_text("interrupt_id", interrupt_id, MAX_INTERRUPT_ID_LENGTH)
+    approved = body.get("approved")
+    if not isinstance(approved, bool):
+        raise BodyError(APPROVED_ERROR)
+    rejection_message = body.get("rejection_message")
+    if rejection_message is not None and not isinstance(rejection_message, str):
+        raise BodyError(REJECTION_MESSAGE_ERROR)
+    if rejection_message is not None:
+        _check_text("rejection_message", rejection_message, MAX_REJECTION_MESSAGE_LENGTH)
+    session_id = body.get("session_id")
+    if session_id is not None:
+        if not isinstance(session_id, str) or not session_id:
+            raise BodyError("session_id must be a non-empty string when given")
+        _check_text("session_id", session_id, MAX_SESSION_ID_LENGTH)
+    unknown = sorted(set(body) - set(ResolveRequest.model_fields))
+    if unknown:
+        raise BodyError(f"unknown field {unknown[0]!r} (the body takes "
+                        f"{', '.join(ResolveRequest.model_fields)})")
+    return ResolveBody(interrupt_id, approved, rejection_message, session_id)
+
+
+def _check_text(field: str, value: str, limit: int) -> None:
+    if len(value) > limit:
+        raise BodyError(f"{field} must be at most {limit} characters, got {len(value)}")
+    # JSON lets a body carry NUL and lone surrogates; neither can be stored or compared
+    # reliably (PostgreSQL refuses NUL, UTF-8 cannot encode a lone surrogate).
+    if "\x00" in value:
+        raise BodyError(f"{field} must not contain NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BodyError(f"{field} must not contain unpaired surrogate characters") from None
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool):
+        return "boolean"
+    if value is None:
+        return "null"
+    return "number"
 
 
 class ResolveResponse(BaseModel):
@@ -34,6 +137,35 @@ class ResolveResponse(BaseModel):
     )
 
 
+class ErrorResponse(BaseModel):
+    """A request the API cannot use (400, 413): ``error`` says what is wrong and names the
+    field."""
+
+    error: str
+
+
+class ValidationErrorItem(BaseModel):
+    """One problem with a request's parameters, located by ``loc``."""
+
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ValidationErrorResponse(BaseModel):
+    """A 400 for a path, query or header parameter: ``error`` names every bad field in one
+    line; ``detail`` has one item per field."""
+
+    error: str
+    detail: list[ValidationErrorItem]
+
+
+class DetailResponse(BaseModel):
+    """401, 403 and 503: ``detail`` says why (and, for 401/403, what to ask for)."""
+
+    detail: str
+
+
 class HealthResponse(BaseModel):
     """Liveness and store reachability."""
 
@@ -42,37 +174,38 @@ class HealthResponse(BaseModel):
     event_streams: int = Field(description="Event-stream connections open right now.")
 
 
-class ValidationErrorItem(BaseModel):
-    """One problem with a request, located by ``loc``."""
+class PendingSession(BaseModel):
+    """A session with approvals waiting for a decision."""
 
-    loc: list[str | int]
-    msg: str
-    type: str
+    session_id: str
+    pending: int = Field(description="How many of its approvals wait (deadline not passed).")
+    newest_request_at: datetime = Field(description="When its latest waiting call was made.")
+    oldest_request_at: datetime = Field(description="When its earliest waiting call was made.")
+    next_deadline: datetime | None = Field(
+        description="The earliest deadline among its waiting approvals (none if none has one).")
+    page: str = Field(description="The session page's path (add the token as ?token=).")
 
 
-class ValidationErrorResponse(BaseModel):
-    """A 422: ``message`` names every bad field in one line; ``detail`` has one item per field."""
+class PendingSessions(BaseModel):
+    """The sessions with approvals waiting, newest request first."""
 
-    message: str
-    detail: list[ValidationErrorItem]
+    sessions: list[PendingSession]
+    truncated: bool = Field(description="true if more sessions wait than `limit` returned.")
 
 
 def validation_error_body(exc: RequestValidationError) -> dict[str, Any]:
-    """The 422 body: a readable ``message`` naming the fields, plus FastAPI's ``detail`` items.
+    """The 400 body for bad parameters: a readable ``error`` naming the fields, plus FastAPI's
+    ``detail`` items.
 
-    The submitted values are not echoed back: a rejection message is free text a person typed.
+    The submitted values are not echoed back.
     """
     items: list[dict[str, Any]] = []
     parts: list[str] = []
     for error in exc.errors():
         loc = [p if isinstance(p, int) else str(p) for p in error.get("loc", ())]
-        # ("body", "approved") -> "approved"; ("query", "after") -> "after"; the body itself
-        # (not a JSON object, not JSON at all) -> "body".
+        # ("query", "limit") -> "limit"; ("path", "session_id") -> "session_id".
         where = ".".join(str(p) for p in loc[1:]) if len(loc) > 1 else ".".join(map(str, loc))
         msg = str(error.get("msg", "invalid"))
-        if error.get("type") == "json_invalid":
-            # loc is ("body", <character position>): the body as a whole is not JSON.
-            where, msg = "body", f"not valid JSON ({msg} at character {loc[-1]})"
         items.append({"loc": loc, "msg": msg, "type": str(error.get("type", "invalid"))})
         parts.append(f"{where or 'request'}: {msg}")
-    return {"message": "invalid request: " + "; ".join(parts), "detail": items}
+    return {"error": "invalid request: " + "; ".join(parts), "detail": items}

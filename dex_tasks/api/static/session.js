@@ -1,6 +1,8 @@
-// The approval page: reads the session's snapshot, renders a card per pending call and per
-// decision, and stays current through the session's Server-Sent Events stream. No framework and
-// no build step. Every value from the server goes into the page with textContent, never as HTML.
+// The session page: reads the session's snapshot, renders its transcript, a card per pending
+// call and per decision, and stays current through the session's Server-Sent Events stream. No
+// framework and no build step. Every value from the server goes into the page with
+// textContent, never as HTML. Who the reader works as (approver, permission) is rendered by the
+// server; a token without "operate" gets the page without Approve/Reject.
 "use strict";
 
 (function () {
@@ -8,23 +10,26 @@
   const sessionId = decodeURIComponent(parts[2] || "");
   const token = new URLSearchParams(location.search).get("token") || "";
   const base = "/sessions/" + encodeURIComponent(sessionId);
+  const canOperate = document.body.dataset.canOperate === "true";
+  const clockTime = window.dexClock;
 
   // Names the store writes; EventSource only delivers named events we listen for.
   const EVENT_NAMES = [
     "tool_call_requested", "tool_call_awaiting_approval", "tool_call_queued",
     "tool_call_started", "tool_call_finished",
   ];
+  const TERMINAL = new Set(["succeeded", "failed", "rejected", "outcome_unknown"]);
   const ACTIVITY_LIMIT = 50;
 
   const $ = (id) => document.getElementById(id);
   const pendingCards = new Map();   // interrupt_id -> element
   const decidedCards = new Map();   // interrupt_id -> element
+  const messageItems = new Map();   // "role:id" -> element
   let serverOffsetMs = 0;           // server clock minus browser clock
   let refreshTimer = null;
   let refreshing = null;
   let fatal = false;
-
-  $("session-id").textContent = sessionId;
+  let events = null;
 
   // -- helpers -----------------------------------------------------------------------------
 
@@ -35,10 +40,6 @@
     if (typeof value === "number") return value * 1000;
     const ms = Date.parse(value);
     return Number.isNaN(ms) ? null : ms;
-  }
-
-  function clock(ms) {
-    return ms === null ? "" : new Date(ms).toLocaleTimeString([], { hour12: false });
   }
 
   function span(seconds) {
@@ -59,8 +60,24 @@
     try { return JSON.stringify(value, null, 2); } catch (e) { return String(value); }
   }
 
+  // JSON text (a tool's arguments or output) pretty-printed; anything else as it is.
+  function prettyText(text) {
+    if (text === null || text === undefined) return "";
+    try { return pretty(JSON.parse(text)); } catch (e) { return String(text); }
+  }
+
   function setText(root, selector, text) {
     root.querySelector(selector).textContent = text;
+  }
+
+  function show(root, selector, visible) {
+    root.querySelector(selector).hidden = !visible;
+  }
+
+  function badge(el, kind, value) {
+    el.textContent = value || "";
+    el.dataset[kind] = value || "";
+    el.hidden = !value;
   }
 
   function banner(text, kind) {
@@ -85,7 +102,7 @@
       try { detail = (await response.json()).detail || ""; } catch (e) { /* not JSON */ }
       banner((response.status === 401
         ? "This link's token is missing, invalid or expired. Ask for a new link. "
-        : "This token is for another session. ") + detail);
+        : "This token does not allow that. ") + detail);
       live("closed", "signed out");
       if (events) events.close();
       throw new Error("auth " + response.status);
@@ -93,12 +110,7 @@
     return response;
   }
 
-  // -- rendering ---------------------------------------------------------------------------
-
-  function effectBadge(el, effect) {
-    el.textContent = effect;
-    el.dataset.effect = effect;
-  }
+  // -- approval cards ----------------------------------------------------------------------
 
   // A card from its template, filled with what every card shows of the call.
   function newCard(templateId, item) {
@@ -106,24 +118,39 @@
     card.dataset.interruptId = item.interrupt_id;
     card.dataset.key = item.key;
     setText(card, ".tool", item.tool);
-    effectBadge(card.querySelector(".effect"), item.effect);
+    badge(card.querySelector(".effect"), "effect", item.effect);
     setText(card, ".key", item.key);
     setText(card, ".args", pretty(item.arguments));
     return card;
+  }
+
+  function setDeadline(card, deadlineMs) {
+    const line = card.querySelector(".deadline-line");
+    line.hidden = deadlineMs === null;
+    if (deadlineMs !== null) clockTime.set(card.querySelector(".deadline-clock"), deadlineMs);
   }
 
   function renderPending(item, callsByKey) {
     let card = pendingCards.get(item.interrupt_id);
     if (!card) {
       card = newCard("pending-card", item);
-      card.querySelector(".approve").addEventListener("click", () => decide(card, true));
-      card.querySelector(".reject").addEventListener("click", () => decide(card, false));
+      if (canOperate) {
+        card.querySelector(".approve").addEventListener("click", () => decide(card, true));
+        card.querySelector(".reject").addEventListener("click", () => decide(card, false));
+      } else {
+        // Read-only: no control that would only earn a 403.
+        card.querySelector(".actions").remove();
+        card.dataset.readOnly = "true";
+        showNote(card, "Read-only: your token can view this call but not decide it.");
+      }
       pendingCards.set(item.interrupt_id, card);
       $("pending").appendChild(card);
     }
-    card.dataset.deadline = item.deadline === null || item.deadline === undefined
-      ? "" : String(parseTime(item.deadline));
+    const deadline = item.deadline === null || item.deadline === undefined
+      ? null : parseTime(item.deadline);
+    card.dataset.deadline = deadline === null ? "" : String(deadline);
     card.dataset.created = String(parseTime(item.created_at));
+    setDeadline(card, deadline);
     const call = callsByKey.get(item.key);
     card.dataset.status = call ? call.status : "awaiting_approval";
     tickCard(card);
@@ -132,7 +159,7 @@
   function tickCard(card) {
     const created = Number(card.dataset.created);
     card.querySelector(".requested").textContent =
-      "requested " + clock(created) + " (" + ago(created) + ")";
+      "requested " + clockTime.format(created) + " (" + ago(created) + ")";
     const countdown = card.querySelector(".countdown");
     if (!card.dataset.deadline) {
       countdown.textContent = "no deadline";
@@ -145,15 +172,13 @@
       countdown.dataset.urgency = "over";
       // The server refuses a late approval anyway; say so instead of offering it.
       if (!card.dataset.busy) {
-        card.querySelector(".approve").disabled = true;
-        card.querySelector(".reject").disabled = true;
+        card.querySelectorAll("button").forEach((el) => { el.disabled = true; });
         showNote(card, "The deadline passed: this call is being rejected.");
       }
     } else {
       countdown.textContent = "expires in " + span(left);
       countdown.dataset.urgency = left < 60 ? "soon" : "ok";
     }
-    countdown.title = "deadline " + new Date(Number(card.dataset.deadline)).toLocaleString();
   }
 
   function showNote(card, text) {
@@ -177,12 +202,9 @@
     }
     const call = callsByKey.get(item.key);
     const status = call ? call.status : item.call_status;
-    const decision = card.querySelector(".decision");
-    decision.textContent = item.decision;
-    decision.dataset.decision = item.decision;
+    badge(card.querySelector(".decision"), "decision", item.decision);
     const statusEl = card.querySelector(".call-status");
-    statusEl.textContent = status;
-    statusEl.dataset.status = status;
+    badge(statusEl, "status", status);
     // A rejected or expired call's status says the same as its decision badge.
     statusEl.hidden = status === "rejected" && item.decision !== "approved";
     card.dataset.status = status;
@@ -191,7 +213,8 @@
     const who = item.decision === "expired"
       ? "expired at the deadline"
       : item.decision + " by " + (item.decided_by || "an unnamed token holder");
-    setText(card, ".who", who + " · " + clock(when) + " (" + ago(when) + ")");
+    setText(card, ".who", who + " · " + clockTime.format(when) + " (" + ago(when) + ")");
+    setDeadline(card, item.deadline ? parseTime(item.deadline) : null);
     const reason = card.querySelector(".reason");
     reason.textContent = item.reason || "";
     reason.hidden = !item.reason;
@@ -206,6 +229,82 @@
     outcomeLabel.hidden = !text;
     return card;
   }
+
+  // -- transcript --------------------------------------------------------------------------
+
+  const ROLE_LABELS = { user: "User", assistant: "Assistant", tool: "Tool" };
+
+  function newMessage() {
+    return $("message").content.firstElementChild.cloneNode(true);
+  }
+
+  // One transcript entry. A tool message carries its call's name, status, key, arguments and
+  // what the model reads (tool_output); a user message its text and queued/delivered status.
+  function fillMessage(li, message) {
+    const role = message.role || "user";
+    li.dataset.role = role;
+    setText(li, ".role", ROLE_LABELS[role] || role);
+    clockTime.set(li.querySelector(".time"), parseTime(message.created_at));
+    const status = role === "tool" ? message.call_status : message.status;
+    badge(li.querySelector(".status"), "status", status);
+    li.dataset.status = status || "";
+    const isTool = role === "tool";
+    show(li, ".tool", isTool);
+    show(li, ".key", isTool && !!message.key);
+    show(li, ".arguments", isTool && !!message.tool_arguments);
+    show(li, ".output", isTool);
+    show(li, ".output-label", isTool);
+    show(li, ".text", !isTool && !!message.text);
+    if (isTool) {
+      li.dataset.key = message.key || "";
+      setText(li, ".tool", message.tool || "");
+      setText(li, ".key", message.key || "");
+      setText(li, ".args", prettyText(message.tool_arguments));
+      const output = li.querySelector(".output");
+      output.textContent = prettyText(message.tool_output);
+      output.dataset.kind = message.call_status === "succeeded" ? "result" : "error";
+    } else {
+      setText(li, ".text", message.text || "");
+    }
+  }
+
+  function renderTranscript(messages, calls) {
+    const list = $("transcript");
+    const seen = new Set();
+    const reported = new Set();
+    messages.forEach((message, index) => {
+      const id = (message.role || "user") + ":" + message.id;
+      seen.add(id);
+      if (message.key) reported.add(message.key);
+      let li = messageItems.get(id);
+      if (!li) { li = newMessage(); messageItems.set(id, li); }
+      li.dataset.messageId = id;
+      fillMessage(li, message);
+      if (list.children[index] !== li) list.insertBefore(li, list.children[index] || null);
+    });
+    for (const [id, li] of messageItems) {
+      if (!seen.has(id)) { li.remove(); messageItems.delete(id); }
+    }
+    // Calls not finished yet have no tool message: list them after the transcript.
+    const flight = $("in-flight");
+    flight.replaceChildren();
+    for (const call of calls) {
+      if (TERMINAL.has(call.status) || reported.has(call.key)) continue;
+      const li = newMessage();
+      li.classList.add("pending-call");
+      fillMessage(li, {
+        role: "tool", tool: call.tool, key: call.key, call_status: call.status,
+        tool_arguments: JSON.stringify(call.arguments), created_at: call.created_at,
+      });
+      show(li, ".output", false);
+      show(li, ".output-label", false);
+      flight.appendChild(li);
+    }
+    $("transcript-count").textContent = String(messages.length);
+    $("transcript-empty").hidden = messages.length > 0 || flight.children.length > 0;
+  }
+
+  // -- the whole page ----------------------------------------------------------------------
 
   function render(snapshot) {
     const callsByKey = new Map(snapshot.tool_calls.map((c) => [c.key, c]));
@@ -225,6 +324,7 @@
       const card = renderDecided(item, callsByKey);
       if (list.children[index] !== card) list.insertBefore(card, list.children[index] || null);
     });
+    renderTranscript(snapshot.messages || [], snapshot.tool_calls);
     $("pending-count").textContent = String(pendingCards.size);
     $("decided-count").textContent = String(decided.length);
     $("pending-empty").hidden = pendingCards.size > 0;
@@ -269,15 +369,16 @@
       const response = await api("/interrupts/resolve", {
         method: "POST",
         headers: { "Content-Type": "application/json" },
+        // session_id is optional for a session token; an operator token needs it.
         body: JSON.stringify({
-          session_id: sessionId,
           interrupt_id: card.dataset.interruptId,
           approved: approved,
           rejection_message: approved || !message ? null : message,
+          session_id: sessionId,
         }),
       });
       const body = await response.json();
-      if (!response.ok) throw new Error(body.message || body.detail || "HTTP " + response.status);
+      if (!response.ok) throw new Error(body.error || body.detail || "HTTP " + response.status);
       if (!body.accepted) {
         showNote(card, "Not applied: someone else decided first, or the deadline passed.");
       }
@@ -296,9 +397,10 @@
   function addActivity(event) {
     const data = JSON.parse(event.data);
     const li = document.createElement("li");
-    const time = document.createElement("span");
+    const time = document.createElement("time");
     time.className = "time mono";
-    time.textContent = clock(parseTime(data.created_at));
+    const when = parseTime(data.created_at);
+    time.textContent = when === null ? "" : new Date(when).toLocaleTimeString([], { hour12: false });
     const name = document.createElement("span");
     name.className = "event-name";
     name.dataset.event = event.type;
@@ -312,8 +414,6 @@
     list.prepend(li);
     while (list.children.length > ACTIVITY_LIMIT) list.lastElementChild.remove();
   }
-
-  let events = null;
 
   function connect() {
     // EventSource cannot send an Authorization header: the token goes in the query string.
