@@ -116,7 +116,7 @@ class Agent:
         return issue_token(self.secret, self.session, ttl_seconds=ttl, approver=approver)
 
     def page_url(self, token: str) -> str:
-        return f"{self.stack.api_url}/sessions/{self.session}/approvals?token={token}"
+        return f"{self.stack.api_url}/sessions/{self.session}?token={token}"
 
     def call(self, tool: str, arguments: dict[str, Any], **options: Any) -> ToolCallRecord:
         """One model turn: its text (recorded in the transcript), then its tool call."""
