@@ -3,6 +3,7 @@ execution to the ledger, with the idempotency key the request's ``_meta`` carrie
 
     python -m tests.mcp_server                # stdio
     python -m tests.mcp_server --http PORT    # streamable HTTP on 127.0.0.1:PORT/mcp
+    ... --legacy                              # only the 2025 protocol (HTTP sessions)
 
 Each start writes a ``mcp:server_start`` line (its PID and its parent's), so a test can count
 how many sessions a worker process opened: a stdio session is one server process.
@@ -17,13 +18,25 @@ from typing import Any
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp.types import ToolAnnotations
+from mcp.shared.exceptions import MCPError
+from mcp.types import METHOD_NOT_FOUND, ToolAnnotations
 
 from workers import ledger
 
 KEY_META = "dex/idempotency_key"
 
-app = MCPServer("dex-test-orders", log_level="WARNING")
+LEGACY = False
+
+
+async def _legacy_only(ctx: Any, call_next: Any) -> Any:
+    # With --legacy the server refuses the 2026 handshake, so clients fall back to
+    # `initialize` and, over HTTP, get a session id the server forgets when it restarts.
+    if LEGACY and ctx.method == "server/discover":
+        raise MCPError(code=METHOD_NOT_FOUND, message="Method not found")
+    return await call_next(ctx)
+
+
+app = MCPServer("dex-test-orders", log_level="WARNING", middleware=[_legacy_only])
 
 
 def _record(tool: str, ctx: Context, **extra: Any) -> str:
@@ -93,9 +106,12 @@ def check_coupon(code: str, ctx: Context) -> dict[str, Any]:
 
 
 def main() -> None:
+    global LEGACY
     parser = argparse.ArgumentParser()
     parser.add_argument("--http", type=int, default=None, metavar="PORT")
+    parser.add_argument("--legacy", action="store_true", help="speak only the 2025 protocol")
     args = parser.parse_args()
+    LEGACY = args.legacy
     ledger.record("mcp:server_start", "-", 0, ppid=os.getppid())
     if args.http is None:
         app.run()

@@ -8,13 +8,16 @@ line each time it starts, so the tests count executions and sessions.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import textwrap
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,7 @@ from dex_tasks import (
     DexClient,
     EffectClass,
     OutcomeUnknownError,
+    Tool,
     ToolCallRecord,
     ToolContext,
     ToolDefinitionError,
@@ -56,8 +60,11 @@ def _runs(ledger_path: Path, tool: str, key: str | None = None) -> list[dict[str
 
 def _started(ledger_path: Path, tool: str, key: str) -> dict[str, Any]:
     """Wait until the server has started running ``key``; its ledger line (pid = the server)."""
-    return wait_until(lambda: next(iter(_runs(ledger_path, tool, key)), None), 30,
-                      f"{tool} to start for {key}")
+    def first() -> dict[str, Any] | None:
+        runs = _runs(ledger_path, tool, key)
+        return runs[0] if runs else None
+
+    return wait_until(first, 30, f"{tool} to start for {key}")
 
 
 def _ignored(worker: WorkerProcess, key: str) -> int:
@@ -131,7 +138,8 @@ def test_an_approval_waits_without_a_worker_and_the_write_runs_once(
     refund = _call(client, "refund", {"order_id": "o7", "amount_cents": 500}, "refund-1")
     rejected = _call(client, "refund", {"order_id": "o8", "amount_cents": 900}, "refund-2")
     for record in (refund, rejected):
-        assert record.status is CallStatus.AWAITING_APPROVAL and record.interrupt_id
+        assert record.status is CallStatus.AWAITING_APPROVAL
+    assert refund.interrupt_id is not None and rejected.interrupt_id is not None
 
     # No worker holds the approval: the only worker goes away, and the calls still wait.
     first.kill_all()
@@ -170,13 +178,12 @@ def test_a_server_killed_mid_call_ends_outcome_unknown_and_the_next_call_reconne
     client: DexClient, start_worker: StartWorker, ledger_path: Path
 ) -> None:
     start_worker(concurrency=1, tools=TOOLS)
-    warm = client.wait(_call(client, "lookup_order", {"order_id": "o1"}, "warm").key, 60)
-    first_server = warm.result["server_pid"]  # type: ignore[index]
 
     # A read: the server is SIGKILLed while it runs the call. Reads are retried after a lost
     # worker, but not here: the request reached the server, which may have acted on it.
     slow = _call(client, "wait_for", {"seconds": 60}, "slow-read")
-    os.kill(_started(ledger_path, "wait_for", slow.key)["pid"], signal.SIGKILL)
+    first_server = _started(ledger_path, "wait_for", slow.key)["pid"]
+    os.kill(first_server, signal.SIGKILL)
     lost = client.wait(slow.key, timeout=30)
     assert lost.status is CallStatus.OUTCOME_UNKNOWN
     assert (lost.error or "").startswith(OUTCOME_UNKNOWN_TOOL_RESULT)
@@ -204,8 +211,6 @@ def test_a_server_killed_mid_call_ends_outcome_unknown_and_the_next_call_reconne
     assert ship.status is CallStatus.QUEUED
     os.kill(_started(ledger_path, "ship_order", ship.key)["pid"], signal.SIGKILL)
     assert client.wait(ship.key, timeout=30).status is CallStatus.OUTCOME_UNKNOWN
-    last = client.wait(_call(client, "lookup_order", {"order_id": "o5"}, "last").key, 60)
-    assert last.status is CallStatus.SUCCEEDED
 
     # Each lost call reached the server exactly once.
     assert len(_runs(ledger_path, "wait_for", slow.key)) == 1
@@ -218,10 +223,11 @@ def test_a_server_killed_mid_call_ends_outcome_unknown_and_the_next_call_reconne
 class HttpServer:
     """``tests/mcp_server.py`` on streamable HTTP, which the test stops and starts again."""
 
-    def __init__(self, port: int, env: dict[str, str], log: Path) -> None:
+    def __init__(self, port: int, env: dict[str, str], log: Path, *args: str) -> None:
         self.port = port
         self.env = env
         self.log = log
+        self.args = args
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -231,7 +237,7 @@ class HttpServer:
     def start(self) -> HttpServer:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.mcp_server", "--http", str(self.port)],
+                [sys.executable, "-m", "tests.mcp_server", "--http", str(self.port), *self.args],
                 cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT)
         wait_until(self._listening, 30, f"the MCP server on port {self.port}")
         return self
@@ -292,14 +298,25 @@ def test_over_http_a_lost_call_is_unknown_an_unreachable_server_did_not_run_and_
     assert _runs(ledger_path, "lookup_order", idle.key) == []
 
 
-# -- in this process: definitions, results, bad input --------------------------------------------
-
-
-@pytest.fixture
-def stdio_server(ledger_path: Path) -> Iterator[StdioServerParameters]:
-    yield StdioServerParameters(command=sys.executable, args=["-m", "tests.mcp_server"],
-                                cwd=str(ROOT), env={ledger.ENV: str(ledger_path)})
-    close_sessions()
+def test_a_restarted_http_server_that_forgot_the_session_serves_the_next_call(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    # Given a 2025-protocol server, whose HTTP session id dies with the process
+    server = HttpServer(free_port(), env, tmp_path / "legacy.log", "--legacy").start()
+    try:
+        tools = {t.name: t for t in mcp_tools(server.url, prefix="legacy_")}
+        lookup = tools["legacy_lookup_order"]
+        assert lookup(_ctx("l1"), order_id="A")["order_id"] == "A"
+        # When it restarts, it answers the open session's next request with 404
+        server.kill()
+        server.start()
+        # Then the request did not run, and the adapter sends it again on a new session
+        assert lookup(_ctx("l2"), order_id="B")["order_id"] == "B"
+        assert [e["key"] for e in ledger.read(server.env[ledger.ENV])
+                if e["tool"] == "mcp:lookup_order"] == ["l1", "l2"]
+    finally:
+        close_sessions()
+        server.kill()
 
 
 def _ctx(key: str) -> ToolContext:
@@ -307,14 +324,38 @@ def _ctx(key: str) -> ToolContext:
                        attempt=1)
 
 
-def test_policies_beat_annotations_which_beat_unclassified(
-    client: DexClient, stdio_server: StdioServerParameters, ledger_path: Path
-) -> None:
-    tools = mcp_tools(stdio_server, prefix="local_", policies={
+# -- in this process: definitions, results, bad input --------------------------------------------
+
+
+@dataclass
+class Local:
+    """The test server's tools, defined in this process (prefix ``local_``, timeout 3 s)."""
+
+    server: StdioServerParameters
+    tools: dict[str, Tool[Any]]
+    ledger: Path
+
+    def call(self, name: str, key: str, **arguments: Any) -> Any:
+        return self.tools[f"local_{name}"](_ctx(key), **arguments)
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Local]:
+    # One listing for the tests below: a stdio server takes a second or two to start.
+    path = tmp_path_factory.mktemp("mcp-local") / "ledger.jsonl"
+    server = StdioServerParameters(command=sys.executable, args=["-m", "tests.mcp_server"],
+                                   cwd=str(ROOT), env={ledger.ENV: str(path)})
+    tools = mcp_tools(server, prefix="local_", timeout=3, policies={
         "archive_order": "non_idempotent_write",          # by its MCP name
         "local_set_address": EffectClass.READ,            # by its dex name
     })
-    assert sorted(t.name for t in tools) == [
+    yield Local(server, {t.name: t for t in tools}, path)
+    close_sessions()
+
+
+def test_policies_beat_annotations_which_beat_unclassified(client: DexClient,
+                                                           local: Local) -> None:
+    assert sorted(local.tools) == [
         "local_add_note", "local_archive_order", "local_check_coupon", "local_lookup_order",
         "local_refund", "local_set_address", "local_ship_order", "local_wait_for"]
     specs = {s.name: s for s in client.list_tools() if s.name.startswith("local_")}
@@ -332,39 +373,36 @@ def test_policies_beat_annotations_which_beat_unclassified(
     assert defaulted["local_add_note"] is EffectClass.READ
     assert defaulted["local_refund"] is EffectClass.NON_IDEMPOTENT_WRITE
 
-    # Calling a tool directly: a JSON object sent as text content is parsed; structured
-    # content (MCPServer wraps a str return as {"result": ...}) is the result as sent; isError
-    # raises with the tool's text.
-    by_name = {t.name: t for t in tools}
-    assert by_name["local_lookup_order"](_ctx("k1"), order_id="A1")["order_id"] == "A1"
-    assert by_name["local_add_note"](_ctx("k2"), order_id="A1", text="hi") == {
-        "result": "noted on A1: hi"}
+
+def test_results_and_errors_of_a_direct_call(local: Local) -> None:
+    # A JSON object sent as text content is parsed; structured content (MCPServer wraps a str
+    # return as {"result": ...}) is the result as sent; isError raises with the tool's text.
+    assert local.call("lookup_order", "k1", order_id="A1")["order_id"] == "A1"
+    assert local.call("add_note", "k2", order_id="A1", text="hi") == {"result": "noted on A1: hi"}
     with pytest.raises(MCPToolError, match="coupon X expired yesterday"):
-        by_name["local_check_coupon"](_ctx("k3"), code="X")
-    assert [e["key"] for e in ledger.read(ledger_path) if e["key"] != "-"] == ["k1", "k2", "k3"]
+        local.call("check_coupon", "k3", code="X")
+    # Every request carried its idempotency key to the server.
+    assert [e["key"] for e in ledger.read(local.ledger) if e["key"].startswith("k")] == [
+        "k1", "k2", "k3"]
 
 
-def test_no_answer_within_the_timeout_is_an_unknown_outcome(
-    stdio_server: StdioServerParameters,
-) -> None:
-    tools = {t.name: t for t in mcp_tools(stdio_server, prefix="impatient_", timeout=0.5)}
-    with pytest.raises(OutcomeUnknownError, match=r"no answer to 'wait_for' within 0\.5s"):
-        tools["impatient_wait_for"](_ctx("k-slow"), seconds=10)
+def test_no_answer_within_the_timeout_is_an_unknown_outcome(local: Local) -> None:
+    with pytest.raises(OutcomeUnknownError, match=r"no answer to 'wait_for' within 3\.0s"):
+        local.call("wait_for", "k-slow", seconds=10)
     # The session is still good for the next call.
-    assert tools["impatient_lookup_order"](_ctx("k-next"), order_id="B")["order_id"] == "B"
+    assert local.call("lookup_order", "k-next", order_id="B")["order_id"] == "B"
 
 
-def test_bad_definitions_are_refused_with_the_reason(
-    stdio_server: StdioServerParameters,
-) -> None:
+def test_bad_definitions_are_refused_with_the_reason(local: Local) -> None:
+    server = local.server
     with pytest.raises(ToolDefinitionError, match=r"policies\['refund'\]: effect 'sometimes'"):
-        mcp_tools(stdio_server, prefix="bad1_", policies={"refund": "sometimes"})
+        mcp_tools(server, prefix="bad1_", policies={"refund": "sometimes"})
     with pytest.raises(ToolDefinitionError, match="server must be a URL"):
         mcp_tools(42, prefix="bad2_")  # type: ignore[arg-type]
     with pytest.raises(ToolDefinitionError, match="timeout must be a positive number"):
-        mcp_tools(stdio_server, prefix="bad3_", timeout=0)
+        mcp_tools(server, prefix="bad3_", timeout=0)
     with pytest.raises(ToolDefinitionError, match="headers= applies to an HTTP server only"):
-        mcp_tools(stdio_server, prefix="bad4_", headers={"Authorization": "x"})
+        mcp_tools(server, prefix="bad4_", headers={"Authorization": "x"})
     # An unreachable server is named in the error, without the URL's credentials or query.
     nowhere = f"http://127.0.0.1:{free_port()}/mcp"
     with pytest.raises(ToolDefinitionError, match="could not list the tools of " +
@@ -372,8 +410,33 @@ def test_bad_definitions_are_refused_with_the_reason(
         mcp_tools(nowhere.replace("//", "//user:pw@") + "?token=s3cret", prefix="bad5_",
                   connect_timeout=5)
     assert "s3cret" not in str(refused.value) and "pw" not in str(refused.value)
+    # These two need the server's list.
     with pytest.raises(ToolDefinitionError, match=r"'nope', which is not a tool of .*lookup_order"):
-        mcp_tools(stdio_server, prefix="bad6_", policies={"nope": "read"})
-    mcp_tools(stdio_server, prefix="twice_")
-    with pytest.raises(ToolDefinitionError, match=r"'twice_lookup_order' .* is already defined"):
-        mcp_tools(stdio_server, prefix="twice_")
+        mcp_tools(server, prefix="bad6_", policies={"nope": "read"})
+    with pytest.raises(ToolDefinitionError, match=r"'local_lookup_order' .* is already defined"):
+        mcp_tools(server, prefix="local_")
+
+
+# -- the example ---------------------------------------------------------------------------------
+
+
+def test_the_example_runs_as_its_docstring_says(
+    client: DexClient, start_worker: StartWorker, env: dict[str, str]
+) -> None:
+    # The agent snippet of examples/mcp_tools.py's docstring, run as written against a worker
+    # that serves the example's tools.
+    source = (ROOT / "examples" / "mcp_tools.py").read_text()
+    doc = ast.get_docstring(ast.parse(source)) or ""
+    snippet = textwrap.dedent(doc.split("python - <<'EOF'\n", 1)[1].split("EOF", 1)[0])
+    start_worker(concurrency=1, tools="examples.mcp_tools")
+    agent = subprocess.run([sys.executable, "-"], input=snippet, text=True, cwd=ROOT, env=env,
+                           capture_output=True, timeout=90)
+    assert agent.returncode == 0, agent.stderr
+    lines = agent.stdout.splitlines()
+    assert lines[0].startswith("lookup: {'order_id': '1001', 'status': 'shipped'")
+    assert lines[1] == "refund: awaiting_approval"
+    assert lines[2] == ("refund: {'charge_id': 'ch_1001', 'refunded_cents': 500, "
+                        "'idempotency_key': 'mcp-demo/t1/c2', 'duplicate': False}")
+    specs = {s.name: s.policy.effect for s in client.list_tools()}
+    assert specs["orders_add_note"] is EffectClass.IDEMPOTENT_WRITE
+    assert specs["orders_update_address"] is EffectClass.IDEMPOTENT_WRITE

@@ -22,14 +22,16 @@ closed before the worker forks its children, and each child opens its own. The c
 idempotency key in the request's ``_meta`` (``"dex/idempotency_key"``, see
 :data:`IDEMPOTENCY_META_KEY`) so a server that understands it can drop duplicates.
 
-* The session broke BEFORE the request left this process (the server had exited, a stdio pipe
-  was gone, an HTTP connection was refused): the tool did not run, so the call is sent again
-  once on a fresh session; if no session can be opened the tool raises
-  :class:`dex_tasks.TransientToolError` (retried on the retrying path, ``failed`` otherwise).
+* The session broke BEFORE the request reached the server (the server exited while the session
+  was idle, an HTTP connection was refused, a restarted HTTP server answered 404 for a session
+  it no longer knew): the tool did not run, so the call is sent again once on a fresh session;
+  if no session can be opened the tool raises :class:`dex_tasks.TransientToolError` (retried on
+  the retrying path, ``failed`` otherwise), with a message that says the tool did not run.
 * The session broke AFTER the request was sent (the server was killed mid-call) or no answer
   came within ``timeout``: nobody can tell whether the tool acted, so the call ends
   ``outcome_unknown`` (:class:`dex_tasks.OutcomeUnknownError`) and is never run again. The next
-  call opens a fresh session: a restarted server serves it.
+  call opens a fresh session: a restarted server serves it. (A stdio server that dies in the
+  instant a request is written to its pipe is counted here too: the safe side.)
 * An MCP result with ``isError`` ends the call ``failed`` with the tool's text
   (:class:`MCPToolError`); a JSON-RPC error from the server (unknown tool, bad arguments) ends
   it ``failed`` too (:class:`MCPServerError`).
@@ -274,8 +276,10 @@ class _WatchedTransport:
 
 
 class _WatchedHTTP(httpx2.AsyncBaseTransport):
-    """HTTP transport that notes the calls whose POST never connected (the server was down):
-    those never reached the server, though the MCP session reports them like any lost call."""
+    """HTTP transport that notes the calls the server never ran though the MCP session
+    reports them like any failed request: a POST that could not connect (the server was down),
+    and one answered 404 for its session id (the server restarted and forgot the session; the
+    streamable HTTP spec says the client must start a new session then)."""
 
     def __init__(self, inner: httpx2.AsyncBaseTransport, session: _Session) -> None:
         self.inner = inner
@@ -283,12 +287,18 @@ class _WatchedHTTP(httpx2.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         try:
-            return await self.inner.handle_async_request(request)
+            response = await self.inner.handle_async_request(request)
         except _NOT_CONNECTED:
-            key = _posted_key(request)
-            if key is not None:
-                self.session.unsent.add(key)
+            self._did_not_run(request)
             raise
+        if response.status_code == 404 and "mcp-session-id" in request.headers:
+            self._did_not_run(request)
+        return response
+
+    def _did_not_run(self, request: httpx2.Request) -> None:
+        key = _posted_key(request)
+        if key is not None:
+            self.session.did_not_run.add(key)
 
     async def aclose(self) -> None:
         await self.inner.aclose()
@@ -321,8 +331,9 @@ class _Session:
         self.server = server
         self.client: Client | None = None
         self.error: BaseException | None = None
+        # Keys of the calls handed to the transport, and of those known not to have run.
         self.on_wire: set[str] = set()
-        self.unsent: set[str] = set()
+        self.did_not_run: set[str] = set()
         self.retired = False
         self._ready = asyncio.Event()
         self._stop = asyncio.Event()
@@ -378,11 +389,11 @@ class _Session:
 
     def reached_server(self, key: str) -> bool:
         """Whether the request of this call may have reached the server."""
-        return key in self.on_wire and key not in self.unsent
+        return key in self.on_wire and key not in self.did_not_run
 
     def forget(self, key: str) -> None:
         self.on_wire.discard(key)
-        self.unsent.discard(key)
+        self.did_not_run.discard(key)
 
 
 # -- one process's link -------------------------------------------------------------------------
@@ -440,7 +451,10 @@ class _Link:
     async def list_tools(self) -> list[MCPTool]:
         session = await self.current()
         assert session.client is not None
-        return await _all_tools(session.client)
+        try:
+            return await asyncio.wait_for(_all_tools(session.client), self.server.timeout)
+        except TimeoutError:
+            raise TimeoutError(f"no tool list within {self.server.timeout}s") from None
 
     async def call(self, name: str, arguments: dict[str, Any], key: str) -> CallToolResult:
         """Call tool ``name`` once; see the module docstring for what each failure becomes."""
@@ -458,13 +472,14 @@ class _Link:
                         f"the MCP server {self.server.label} sent no answer to {name!r} within "
                         f"{self.server.timeout}s"
                     ) from err
-                if err.code != CONNECTION_CLOSED:
+                if err.code != CONNECTION_CLOSED and key not in session.did_not_run:
                     raise MCPServerError(
                         f"the MCP server {self.server.label} refused the call of {name!r} "
                         f"(it did not run): {err}"
                     ) from err
+                # The session is gone (closed, or forgotten by a restarted server).
                 session.retire()
-                why = _describe(session.error) if session.error else "the connection closed"
+                why = _describe(session.error) if session.error else str(err)
                 log.warning("MCP session lost", extra={
                     "action": "mcp_session_lost", "server": self.server.label, "key": key,
                     "reached_server": session.reached_server(key), "error": why})
@@ -475,10 +490,10 @@ class _Link:
                     ) from err
                 if attempt == 2:
                     raise TransientToolError(
-                        f"{TOOL_DID_NOT_RUN}: the MCP server {self.server.label} closed the "
-                        f"connection before the call was sent ({why})"
+                        f"{TOOL_DID_NOT_RUN}: the MCP session with {self.server.label} broke "
+                        f"before the call reached the server ({why})"
                     ) from err
-                # It never left this process: a fresh session may serve it.
+                # It never reached the server: a fresh session may serve it.
             finally:
                 session.forget(key)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -616,9 +631,14 @@ def _list(target: _Server) -> list[MCPTool]:
     link = _Link(target)
     try:
         return link.run(link.list_tools())
-    except TransientToolError as err:
+    except ToolDefinitionError:
+        raise
+    except Exception as err:
+        # A failed connection arrives as TransientToolError (what a call raises); say what
+        # really went wrong.
+        cause = err.__cause__ if isinstance(err, TransientToolError) and err.__cause__ else err
         raise ToolDefinitionError(f"mcp_tools: could not list the tools of {target.label}: "
-                                  f"{_describe(err.__cause__ or err)}") from err
+                                  f"{_describe(cause)}") from err
     finally:
         # Nothing of this session may outlive the import: the worker forks after it.
         link.close()
