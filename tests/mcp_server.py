@@ -42,7 +42,9 @@ app = MCPServer("dex-test-orders", log_level="WARNING", middleware=[_legacy_only
 def _record(tool: str, ctx: Context, **extra: Any) -> str:
     meta = ctx.request_context.meta or {}
     key = str(meta.get(KEY_META, "-"))
-    ledger.record(f"mcp:{tool}", key, 0, **extra)
+    # Over HTTP: the header the tools module sends with every request (None on stdio).
+    header = (ctx.headers or {}).get("x-shop-token")
+    ledger.record(f"mcp:{tool}", key, 0, shop_token=header, **extra)
     return key
 
 

@@ -26,11 +26,13 @@ POLICIES: dict[str, ToolPolicy | str] = {
     "shop_ship_order": ToolPolicy(effect="non_idempotent_write", requires_approval=False),
 }
 
-SERVER: str | StdioServerParameters = os.environ.get("DEX_TEST_MCP_URL") or StdioServerParameters(
-    command=sys.executable,
-    args=["-m", "tests.mcp_server"],
-    cwd=str(ROOT),
-    env={ledger.ENV: os.environ.get(ledger.ENV, "")},
-)
+URL = os.environ.get("DEX_TEST_MCP_URL")
 
-tools = mcp_tools(SERVER, prefix="shop_", policies=POLICIES)
+if URL:
+    tools = mcp_tools(URL, prefix="shop_", policies=POLICIES, headers={"X-Shop-Token": "t0ken"})
+else:
+    tools = mcp_tools(
+        StdioServerParameters(command=sys.executable, args=["-m", "tests.mcp_server"],
+                              cwd=str(ROOT), env={ledger.ENV: os.environ.get(ledger.ENV, "")}),
+        prefix="shop_", policies=POLICIES,
+    )

@@ -271,6 +271,8 @@ def test_over_http_a_lost_call_is_unknown_an_unreachable_server_did_not_run_and_
     start_worker(concurrency=1, tools=TOOLS, extra_env={"DEX_TEST_MCP_URL": http_server.url})
     first = client.wait(_call(client, "lookup_order", {"order_id": "o1"}, "h1").key, 60)
     assert first.status is CallStatus.SUCCEEDED and first.result["order_id"] == "o1"  # type: ignore[index]
+    # The headers given to mcp_tools reach the server with each request.
+    assert [e["shop_token"] for e in _runs(ledger_path, "lookup_order")] == ["t0ken"]
 
     # Killed while the request is on the server: outcome unknown.
     slow = _call(client, "wait_for", {"seconds": 60}, "h-slow")
