@@ -495,6 +495,15 @@ class _Link:
         async def shut() -> None:
             if self.session is not None:
                 await self.session.close()
+            # Sessions retired earlier may still be closing (a stdio server is given two
+            # seconds to exit): let them finish, so no task is destroyed while pending.
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            if others:
+                _, pending = await asyncio.wait(others, timeout=10)
+                for task in pending:
+                    task.cancel()
+                if pending:
+                    await asyncio.wait(pending, timeout=5)
 
         try:
             asyncio.run_coroutine_threadsafe(shut(), self.loop).result(30)
