@@ -96,7 +96,8 @@ class TransientToolError(Exception):
 
     On the single-attempt path it is treated like any other failure: the call ends ``failed``.
     ``retry_after`` (seconds) overrides the computed backoff when the service said how long to
-    wait.
+    wait, within bounds: never more than ``DEX_RETRY_BACKOFF_MAX_SECONDS`` (``inf`` included), a
+    negative value means no wait, and ``nan`` is ignored (see ``retry.bounded_retry_after``).
     """
 
     def __init__(self, message: str = "", *, retry_after: float | None = None) -> None:
