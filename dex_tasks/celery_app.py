@@ -77,7 +77,16 @@ def create_app(settings: DexSettings, *, publisher: bool = False) -> Celery:
         broker_connection_timeout=settings.publish_timeout_seconds,
         broker_pool_limit=10,
         worker_hijack_root_logger=False,
-        worker_send_task_events=False,
+        # Task events from the workers (received, started, succeeded, failed, retried), so
+        # that Flower and `celery events` work with no extra flag. The sweep task opts out
+        # (main_process.register_tasks), so beat's sweeps do not crowd their task lists.
+        worker_send_task_events=True,
+        # No task-sent events: Celery puts the registered name in them, not the shadow name
+        # that says which tool a message runs, and its event state lets a sent event that
+        # arrives after the worker's events (always for a retry's message, which the child
+        # sends while the worker is already reporting) overwrite the task's name, so Flower
+        # would list "dex.call_tool" instead of "dex.call_tool[lookup_order]". Flower lists a
+        # call from the moment a worker receives it, and shows queue lengths on its Broker page.
         task_send_sent_event=False,
         enable_utc=True,
     )

@@ -14,7 +14,10 @@ catch one type. The tree::
     ├── InvalidArgumentError    an argument of a public function is malformed (names the field)
     │   └── InvalidCallError    a call_tool argument is malformed (an id, the arguments)
     ├── InvalidTokenError       an approval token is missing, forged, malformed or expired (401)
-    └── ForbiddenSessionError   a valid token for another session, or without permission (403)
+    ├── ForbiddenSessionError   a valid token for another session, or without permission (403)
+    └── CallFailure             raised by a worker's task after the store recorded the call's
+        ├── CallFailed          end, so that Celery's own state (Flower, ``celery events``)
+        └── CallOutcomeUnknown  says FAILURE too; callers never see it
 
 :class:`TransientToolError` and :class:`OutcomeUnknownError` are not ``DexError``s: tools raise
 them, to ask for a retry, or to say they cannot tell whether their effect happened.
@@ -93,7 +96,8 @@ class TransientToolError(Exception):
 
     On the single-attempt path it is treated like any other failure: the call ends ``failed``.
     ``retry_after`` (seconds) overrides the computed backoff when the service said how long to
-    wait.
+    wait, within bounds: never more than ``DEX_RETRY_BACKOFF_MAX_SECONDS`` (``inf`` included), a
+    negative value means no wait, and ``nan`` is ignored (see ``retry.bounded_retry_after``).
     """
 
     def __init__(self, message: str = "", *, retry_after: float | None = None) -> None:
@@ -110,3 +114,29 @@ class OutcomeUnknownError(Exception):
     path, not even for a ``read`` with attempts left. Reconcile it with the service by the
     call's idempotency key.
     """
+
+
+class CallFailure(DexError):
+    """Raised by a worker's task body after the store recorded that its call did not succeed.
+
+    The store is the record; this exception only makes Celery's own state for the message
+    (what Flower and ``celery events`` show) agree with it: ``FAILURE``, with the call's error
+    text and never its arguments. The task kinds list it in ``Task.throws``, so Celery logs it
+    as an expected failure (one INFO line, no traceback), and ``main_process.DexRequest``
+    knows it for what it is: the call's end, not a lost worker, nothing to requeue or retry.
+
+    It takes exactly one argument, the error text, so it pickles between the worker's child and
+    its main process like any plain exception.
+    """
+
+    def __init__(self, error: str) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+class CallFailed(CallFailure):
+    """The call ended ``failed``: the tool raised, its attempts ran out, or it never started."""
+
+
+class CallOutcomeUnknown(CallFailure):
+    """The call ended ``outcome_unknown``: the tool may or may not have taken effect."""

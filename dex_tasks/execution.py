@@ -13,6 +13,10 @@ A child that is killed runs none of its own hooks, so the worker's main process 
 loss (``main_process.DexRequest``, calling :func:`handle_lost_attempt`). A whole worker that
 dies runs nothing at all; its leases stop being renewed and the reaper in ``sweeps.py``
 finishes the job.
+
+Each body records its outcome in the store first and then tells Celery
+(``task_states.report``), so that Celery's own state for the message (what Flower and
+``celery events`` show) agrees with the call.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from dex_tasks.registry import InvalidArguments, ToolContext, get_local_tool
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
 from dex_tasks.store import INHERITED, Store
+from dex_tasks.task_states import Outcome, failure, ignored, report
 
 log = logging.getLogger("dex_tasks.execution")
 
@@ -105,16 +110,7 @@ def did_not_run(store: Store, call: ToolCallRow, why: str) -> bool:
     if its attempts ran out: a read ``failed``, a write ``outcome_unknown``. The ``attempts``
     guard keeps a claim that lands between our read and this write from being mislabelled.
     """
-    if call.attempts == 0:
-        error = f"{TOOL_DID_NOT_RUN}: {why}"
-        to, reason = CallStatus.FAILED, "did_not_run"
-    else:
-        decision = retry.after_worker_lost(
-            EffectClass(call.effect), call.attempts, call.attempts,
-            f"{why}, after {call.attempts} attempt(s) had reached the tool",
-        )
-        assert decision.status is not None
-        to, error, reason = decision.status, decision.error or why, "next_attempt_not_started"
+    to, error, reason = _unstarted_end(call, why)
     return store.transition(
         call.key,
         to,
@@ -125,6 +121,25 @@ def did_not_run(store: Store, call: ToolCallRow, why: str) -> bool:
     )
 
 
+def _unstarted_end(call: ToolCallRow, why: str) -> tuple[CallStatus, str, str]:
+    """(status, error, event reason) of a queued call ended by :func:`did_not_run`."""
+    if call.attempts == 0:
+        return CallStatus.FAILED, f"{TOOL_DID_NOT_RUN}: {why}", "did_not_run"
+    decision = retry.after_worker_lost(
+        EffectClass(call.effect), call.attempts, call.attempts,
+        f"{why}, after {call.attempts} attempt(s) had reached the tool",
+    )
+    assert decision.status is not None
+    return decision.status, decision.error or why, "next_attempt_not_started"
+
+
+def _end_unstarted(rt: Runtime, call: ToolCallRow, why: str) -> None:
+    """:func:`did_not_run` from a delivery; when it ended the call, Celery hears of it."""
+    if did_not_run(rt.store, call, why):
+        to, error, _ = _unstarted_end(call, why)
+        raise failure(to, error)
+
+
 def handle_lost_attempt(
     rt: Runtime, key: str, owner: str | None, reason: str, *, republish: bool
 ) -> CallStatus | None:
@@ -132,8 +147,9 @@ def handle_lost_attempt(
 
     Only acts while the call is still ``running`` under that owner: the child may have
     finished the work and recorded it just before dying, and a later attempt may own the call
-    by now. ``republish`` sends a new message for a retry (Celery requeues the message itself
-    only for a lost child on the retrying path). Returns the status it moved the call to.
+    by now. ``republish`` sends a new message for a retry: the reaper's case. (For a lost child
+    or a hard time limit on the retrying path, Celery requeues the message itself.) Returns
+    the status it moved the call to.
     """
     call = rt.store.get_call(key)
     if call is None or call.status != CallStatus.RUNNING.value:
@@ -176,18 +192,20 @@ def handle_lost_attempt(
     return None
 
 
-def _exhausted_before_claim(rt: Runtime, call: ToolCallRow) -> None:
+def _exhausted_before_claim(rt: Runtime, call: ToolCallRow) -> Outcome:
     """A queued retrying call delivered again after every attempt was used (by worker loss)."""
     decision = retry.after_worker_lost(
         EffectClass(call.effect), call.attempts, call.max_attempts,
         f"the worker was lost during each of the {call.attempts} attempts",
     )
     assert decision.status is not None
-    rt.store.transition(
+    if rt.store.transition(
         call.key, decision.status, allowed={CallStatus.QUEUED},
         match={"attempts": call.attempts},
         values={"error": decision.error}, detail={"reason": "attempts_exhausted"},
-    )
+    ):
+        return Outcome(decision.status, decision.error)
+    return Outcome(None, why=_RACED)
 
 
 # -- running a call -----------------------------------------------------------------------------
@@ -205,16 +223,16 @@ def _prepare(rt: Runtime, key: str) -> tuple[ToolCallRow, Any, dict[str, Any]] |
                  extra={"action": "duplicate_delivery", "key": key, "status": call.status})
         return None
     if call.expires_at is not None and time.time() > call.expires_at:
-        did_not_run(rt.store, call, "it expired in the queue before a worker started it")
+        _end_unstarted(rt, call, "it expired in the queue before a worker started it")
         return None
     tool = get_local_tool(call.tool)
     if tool is None:
-        did_not_run(rt.store, call, f"no worker that took it has the tool {call.tool!r}")
+        _end_unstarted(rt, call, f"no worker that took it has the tool {call.tool!r}")
         return None
     try:
         arguments = tool.validate(json.loads(call.arguments))
     except InvalidArguments as err:
-        did_not_run(rt.store, call, str(err))
+        _end_unstarted(rt, call, str(err))
         return None
     return call, tool, arguments
 
@@ -247,6 +265,14 @@ def _finish(rt: Runtime, key: str, owner: str, to: CallStatus, **values: Any) ->
     )
 
 
+def _end(rt: Runtime, key: str, owner: str, to: CallStatus, error: str | None,
+         reason: str) -> Outcome:
+    """End the running attempt ``owner`` holds: the call becomes ``to`` with ``error``."""
+    if _finish(rt, key, owner, to, error=error, reason=reason):
+        return Outcome(to, error)
+    return Outcome(None, why=_SUPERSEDED)
+
+
 def _context(call: ToolCallRow, attempt: int) -> ToolContext:
     return ToolContext(
         idempotency_key=call.key,
@@ -257,15 +283,26 @@ def _context(call: ToolCallRow, attempt: int) -> ToolContext:
     )
 
 
-def _succeed(rt: Runtime, key: str, owner: str, value: Any) -> None:
+def _succeed(rt: Runtime, key: str, owner: str, value: Any) -> Outcome:
     try:
         dumped = _dump_result(value)
     except (TypeError, ValueError) as err:
         # The tool ran; its effect happened even though its result cannot be recorded.
-        _finish(rt, key, owner, CallStatus.FAILED, error=f"the tool ran but {err}",
-                reason="result_not_json")
-        return
-    _finish(rt, key, owner, CallStatus.SUCCEEDED, result=dumped)
+        return _end(rt, key, owner, CallStatus.FAILED, f"the tool ran but {err}",
+                    "result_not_json")
+    if _finish(rt, key, owner, CallStatus.SUCCEEDED, result=dumped):
+        return Outcome(CallStatus.SUCCEEDED)
+    return Outcome(None, why=_SUPERSEDED)
+
+
+_DUPLICATE = ("duplicate delivery: the call was not queued (another delivery owns it, it has "
+              "ended, or it is not in the store)")
+_RACED = "another delivery or a sweep changed the call first"
+_SUPERSEDED = ("the tool returned, but its attempt had been ended or taken over meanwhile (its "
+               "lease ran out); this attempt's outcome was not recorded")
+
+
+# -- the task bodies ----------------------------------------------------------------------------
 
 
 def run_retrying(task: Task, key: str) -> None:
@@ -273,19 +310,25 @@ def run_retrying(task: Task, key: str) -> None:
     rt = runtime(task.app)
     prepared = _prepare(rt, key)
     if prepared is None:
-        return
+        raise ignored(task, key, _DUPLICATE)
     call, tool, arguments = prepared
     if call.attempts >= call.max_attempts:
-        _exhausted_before_claim(rt, call)
+        report(task, call, _exhausted_before_claim(rt, call))
         return
     owner = owner_id(task.request.hostname, os.getpid())
     attempt = _claim(rt, call, owner)
     if attempt is None:
-        return
+        raise ignored(task, key, _RACED)
+    report(task, call, _attempt_retrying(rt, call, tool, arguments, owner, attempt))
+
+
+def _attempt_retrying(rt: Runtime, call: ToolCallRow, tool: Any, arguments: dict[str, Any],
+                      owner: str, attempt: int) -> Outcome:
+    key = call.key
     try:
         value = tool(_context(call, attempt), **arguments)
     except OutcomeUnknownError as err:
-        _outcome_unknown(rt, key, owner, err)
+        return _outcome_unknown(rt, key, owner, err)
     except (TransientToolError, SoftTimeLimitExceeded) as err:
         message = _error_text(err) if isinstance(err, TransientToolError) else (
             f"the tool hit its soft time limit of {call.time_limit}s"
@@ -297,41 +340,59 @@ def run_retrying(task: Task, key: str) -> None:
             retry_after=getattr(err, "retry_after", None),
         )
         if decision.retry:
-            _schedule_retry(rt, call, owner, attempt, decision.delay, message)
-        elif isinstance(err, SoftTimeLimitExceeded):
+            return _schedule_retry(rt, call, owner, attempt, decision.delay, message, err)
+        if isinstance(err, SoftTimeLimitExceeded):
             # Stopped part-way on its last attempt: a read has no effect to be unsure about,
             # but an interrupted write may have taken effect, so it ends outcome_unknown.
             lost = retry.after_worker_lost(EffectClass(call.effect), attempt,
                                            call.max_attempts, message)
             assert lost.status is not None
-            _finish(rt, key, owner, lost.status, error=lost.error, reason="attempts_exhausted")
-        else:
-            _finish(rt, key, owner, CallStatus.FAILED, error=decision.error,
-                    reason="attempts_exhausted")
-    except Exception as err:  # noqa: BLE001 - any tool error ends the call with its message
-        _finish(rt, key, owner, CallStatus.FAILED, error=_error_text(err), reason="tool_error")
-    else:
-        _succeed(rt, key, owner, value)
+            return _end(rt, key, owner, lost.status, lost.error, "attempts_exhausted")
+        return _end(rt, key, owner, CallStatus.FAILED, decision.error, "attempts_exhausted")
+    except SystemExit:
+        # The process is exiting (the worker is stopping it, or the tool called sys.exit):
+        # that is a lost worker, which the main process records (DexRequest).
+        raise
+    except BaseException as err:  # noqa: BLE001 - see _tool_error
+        return _tool_error(rt, key, owner, err)
+    return _succeed(rt, key, owner, value)
+
+
+def _tool_error(rt: Runtime, key: str, owner: str, err: BaseException) -> Outcome:
+    """Any other exception from the tool ends the call ``failed`` with its text, at once.
+
+    That includes ``BaseException``s that are not ``Exception``s (``KeyboardInterrupt``, which
+    in a worker's child can only come from the tool since the child ignores SIGINT, or a
+    library's own): they are not transient, so the retrying path does not retry them either
+    (the same rule as any non-transient error). Caught here, they never reach billiard, so the
+    child stays and serves the next call. Celery's own exceptions raised by a tool (``Retry``,
+    ``Ignore``, ``Reject``, ``WorkerLostError``...) are the tool's errors too: the task is
+    ours, and only the body's own ``Task.retry`` / ``Ignore`` mean what Celery means by them.
+    """
+    return _end(rt, key, owner, CallStatus.FAILED, _error_text(err), "tool_error")
 
 
 def _schedule_retry(
-    rt: Runtime, call: ToolCallRow, owner: str, attempt: int, delay: float, message: str
-) -> None:
+    rt: Runtime, call: ToolCallRow, owner: str, attempt: int, delay: float, message: str,
+    cause: BaseException,
+) -> Outcome:
     # published_at is set to when the message becomes due, so the republisher does not treat
-    # a call waiting out its backoff as stranded.
+    # a call waiting out its backoff as stranded. The store says queued before Celery sends
+    # the retry (report), so the retry's delivery always finds the call ready to claim.
     due = time.time() + delay
     if not rt.store.transition(
         call.key, CallStatus.QUEUED, allowed={CallStatus.RUNNING},
-        match={"worker": owner},
+        match={"worker": owner, "attempts": attempt},
         values={"worker": None, "lease_expires_at": None, "published_at": due},
         detail={"reason": "transient_error", "attempt": attempt, "retry_in": round(delay, 3),
                 "error": message},
     ):
-        return
-    try:
-        publish(rt.app, call, countdown=delay)
-    except Exception:  # noqa: BLE001 - left queued; the republisher sends it later
-        log.warning("retry publish failed", extra={"action": "republish_failed", "key": call.key})
+        return Outcome(None, why=_SUPERSEDED)
+    # Celery's RETRY carries a plain copy of the error: the tool's own exception (a subclass
+    # with another constructor) might not pickle on its way to the worker's main process.
+    plain: BaseException = (TransientToolError(str(cause)) if isinstance(cause, TransientToolError)
+                            else SoftTimeLimitExceeded(message))
+    return Outcome(CallStatus.QUEUED, message, retry_in=delay, cause=plain)
 
 
 def run_single_attempt(task: Task, key: str) -> None:
@@ -339,36 +400,47 @@ def run_single_attempt(task: Task, key: str) -> None:
     rt = runtime(task.app)
     prepared = _prepare(rt, key)
     if prepared is None:
-        return
+        raise ignored(task, key, _DUPLICATE)
     call, tool, arguments = prepared
     owner = owner_id(task.request.hostname, os.getpid())
     if not claims.try_claim(rt.redis, key, owner, rt.settings.claim_ttl_seconds):
         log.info("claim taken, duplicate ignored", extra={"action": "duplicate_delivery",
                                                           "key": key})
-        return
+        raise ignored(task, key, _DUPLICATE)
     attempt = _claim(rt, call, owner)
     if attempt is None:
-        return
+        raise ignored(task, key, _RACED)
+    report(task, call, _attempt_once(rt, call, tool, arguments, owner, attempt))
+
+
+def _attempt_once(rt: Runtime, call: ToolCallRow, tool: Any, arguments: dict[str, Any],
+                  owner: str, attempt: int) -> Outcome:
+    key = call.key
     try:
         value = tool(_context(call, attempt), **arguments)
     except OutcomeUnknownError as err:
-        _outcome_unknown(rt, key, owner, err)
+        return _outcome_unknown(rt, key, owner, err)
     except SoftTimeLimitExceeded:
         # Interrupted part-way: whatever it had done stays done, and we cannot tell how much.
-        handle_lost_attempt(rt, key, owner,
-                            f"the tool was stopped by its time limit of {call.time_limit}s",
-                            republish=False)
-    except Exception as err:  # noqa: BLE001 - a tool error ends the call with its message
-        _finish(rt, key, owner, CallStatus.FAILED, error=_error_text(err), reason="tool_error")
-    else:
-        _succeed(rt, key, owner, value)
+        status = handle_lost_attempt(
+            rt, key, owner, f"the tool was stopped by its time limit of {call.time_limit}s",
+            republish=False)
+        if status is None:
+            return Outcome(None, why=_SUPERSEDED)
+        ended = rt.store.get_call(key)
+        return Outcome(status, ended.error if ended else None)
+    except SystemExit:
+        raise  # a lost worker: see _attempt_retrying
+    except BaseException as err:  # noqa: BLE001 - see _tool_error
+        return _tool_error(rt, key, owner, err)
+    return _succeed(rt, key, owner, value)
 
 
-def _outcome_unknown(rt: Runtime, key: str, owner: str, err: OutcomeUnknownError) -> None:
+def _outcome_unknown(rt: Runtime, key: str, owner: str, err: OutcomeUnknownError) -> Outcome:
     # The tool itself says it cannot tell: no retry, whatever the path and attempts left.
     reason = f"the tool could not tell whether its effect happened ({_error_text(err)})"
-    _finish(rt, key, owner, CallStatus.OUTCOME_UNKNOWN, error=retry.outcome_unknown_text(reason),
-            reason="tool_outcome_unknown")
+    return _end(rt, key, owner, CallStatus.OUTCOME_UNKNOWN, retry.outcome_unknown_text(reason),
+                "tool_outcome_unknown")
 
 
 def _error_text(err: BaseException) -> str:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import Celery, Task
 from celery.worker.consumer import Consumer
@@ -22,6 +23,7 @@ from celery.worker.request import Request
 
 from dex_tasks import hooks
 from dex_tasks.celery_app import RUN_RETRYING, RUN_SINGLE_ATTEMPT, SWEEP, create_app
+from dex_tasks.errors import CallFailure
 from dex_tasks.execution import (
     handle_lost_attempt,
     owner_id,
@@ -29,6 +31,7 @@ from dex_tasks.execution import (
     run_single_attempt,
     runtime,
 )
+from dex_tasks.retry import celery_retry_options
 from dex_tasks.settings import DexSettings
 from dex_tasks.sweeps import run_job
 
@@ -40,13 +43,17 @@ class DexRequest(Request):  # type: ignore[misc]
 
     ``on_failure`` here runs in the parent, also when the child was SIGKILLed
     (``WorkerLostError``) or killed by the hard time limit (``TimeLimitExceeded``), which the
-    child itself can never report.
+    child itself can never report. It also runs for every ordinary task failure: a
+    ``CallFailure`` is the body telling Celery that its call ended ``failed`` or
+    ``outcome_unknown`` (already recorded), which is not a loss; Celery acknowledges it
+    (``acks_on_failure``) and neither requeues nor retries it.
     """
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True,
                    return_ok: bool = False) -> None:
         exc = getattr(exc_info, "exception", None)
-        exc = getattr(exc, "exc", exc)
+        if isinstance(exc, ExceptionWithTraceback):
+            exc = exc.exc
         if isinstance(exc, TimeLimitExceeded):
             self._kill_child()
         if isinstance(exc, (WorkerLostError, TimeLimitExceeded, SystemExit)):
@@ -81,10 +88,11 @@ class DexRequest(Request):  # type: ignore[misc]
                 reason = f"the tool was killed by its hard time limit ({exc.args[0]}s)"
             else:
                 reason = f"the worker process running the tool was lost ({exc})"
-            # Celery requeues a lost child's message itself on the retrying path; a hard time
-            # limit acks it, so that retry needs a new message.
-            republish = isinstance(exc, TimeLimitExceeded)
-            handle_lost_attempt(runtime(self.task.app), key, owner, reason, republish=republish)
+            # On the retrying path Celery requeues the message itself, for a lost child
+            # (reject_on_worker_lost) and for a hard time limit (acks_on_timeout=False), so no
+            # new message is needed. Requeueing the message that was running also covers a
+            # child killed after it recorded a retry but before it sent the retry's message.
+            handle_lost_attempt(runtime(self.task.app), key, owner, reason, republish=False)
         except Exception:
             log.exception("could not record a lost attempt", extra={"action": "lost_hook_error"})
 
@@ -165,21 +173,53 @@ def _proc_stat(stat: Path) -> list[str] | None:
 
 
 def register_tasks(app: Celery) -> None:
-    """Register the task kinds (and the sweep task) on ``app``."""
+    """Register the task kinds (and the sweep task) on ``app``.
+
+    What each kind declares to Celery follows its effect classes (``retry.celery_retry_options``):
+
+    * retrying (``read``, ``idempotent_write``): acknowledged late, requeued when its child is
+      lost or killed by its hard time limit (the store counts those attempts and bounds
+      them; a requeued message whose call has moved on changes nothing), ``autoretry_for=
+      (TransientToolError,)`` with the configured backoff, cap, jitter and ``max_retries``.
+      The body itself catches the tool's ``TransientToolError`` first, because the store must
+      count the attempt and say ``queued`` before the retry message exists, and because each
+      call's countdown and ``max_retries`` come from its policy snapshot, not the class: it
+      retries through ``Task.retry`` with those values (``execution.report``). Celery's
+      autoretry wrapper is the declared default and a backstop; the body never lets a
+      ``TransientToolError`` reach it.
+    * single-attempt (``non_idempotent_write``, ``unclassified``): acknowledged early, no
+      retries at all (``max_retries=0``, nothing to autoretry).
+
+    Both list ``CallFailure`` in ``throws``: a call that ended ``failed`` or
+    ``outcome_unknown`` is an expected task failure, logged by Celery as one INFO line
+    without a traceback (dex-tasks did not crash; the tool's error is in the store).
+    The sweep task sends no task events (``send_events=False``), so the sweeps beat runs every
+    few seconds do not crowd Flower's and ``celery events``' task lists.
+    """
+    settings: DexSettings = app.dex_settings  # type: ignore[attr-defined]
+
+    def retry_options(retrying: bool) -> dict[str, Any]:
+        return celery_retry_options(
+            retrying, base=settings.retry_backoff_base_seconds,
+            cap=settings.retry_backoff_max_seconds, max_attempts=settings.default_max_attempts)
 
     # shared=False: the tasks belong to this app only, not to every Celery app the process
     # creates (Celery's default), which would register them twice.
     @app.task(name=RUN_RETRYING, bind=True, shared=False, acks_late=True,
-              reject_on_worker_lost=True, ignore_result=True, Request=DexRequest)
+              reject_on_worker_lost=True, acks_on_timeout=False, acks_on_failure=True,
+              ignore_result=True,
+              Request=DexRequest, throws=(CallFailure,), **retry_options(True))
     def call_tool(self: Task, key: str) -> None:
         run_retrying(self, key)
 
     @app.task(name=RUN_SINGLE_ATTEMPT, bind=True, shared=False, acks_late=False,
-              ignore_result=True, Request=DexRequest)
+              ignore_result=True, Request=DexRequest, throws=(CallFailure,),
+              **retry_options(False))
     def call_single_attempt_tool(self: Task, key: str) -> None:
         run_single_attempt(self, key)
 
-    @app.task(name=SWEEP, bind=True, shared=False, acks_late=False, ignore_result=True)
+    @app.task(name=SWEEP, bind=True, shared=False, acks_late=False, ignore_result=True,
+              send_events=False)
     def sweep(self: Task, job: str) -> Any:
         return run_job(runtime(self.app), job)
 

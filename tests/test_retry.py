@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from pathlib import Path
 
 import pytest
+import redis
 
-from dex_tasks import OUTCOME_UNKNOWN_TOOL_RESULT, CallStatus, DexClient, EffectClass
+from dex_tasks import OUTCOME_UNKNOWN_TOOL_RESULT, CallStatus, DexClient, DexSettings, EffectClass
+from dex_tasks.celery_app import RETRYING_QUEUE
+from dex_tasks.execution import Runtime
 from dex_tasks.retry import after_transient_error, after_worker_lost, backoff
+from dex_tasks.sweeps import republish_stranded
 from tests.conftest import StartWorker
+from tests.helpers import started_pid, wait_until
 from workers import ledger
 
 # -- pure decisions ------------------------------------------------------------------------------
@@ -51,9 +57,12 @@ def test_transient_error_retries_while_attempts_remain(effect: EffectClass) -> N
 
 
 def test_transient_error_honours_retry_after_but_not_below_zero() -> None:
-    decision = after_transient_error(EffectClass.READ, 1, 3, "x", base=1.0, cap=1.0,
+    decision = after_transient_error(EffectClass.READ, 1, 3, "x", base=1.0, cap=60.0,
                                      retry_after=12.5)
     assert decision.delay == 12.5
+    # Never above the backoff cap (issue 11.9; tests/test_tool_exceptions.py has the edges).
+    assert after_transient_error(EffectClass.READ, 1, 3, "x", base=1.0, cap=1.0,
+                                 retry_after=12.5).delay == 1.0
     assert after_transient_error(EffectClass.READ, 1, 3, "x", base=1.0, cap=1.0,
                                  retry_after=-4).delay == 0.0
 
@@ -141,3 +150,35 @@ def test_retrying_path_follows_the_decisions_on_a_real_worker(
     assert failed.error == "ValueError: report 'q3' does not exist"
     assert ledger.executions(ledger_path)[broken.key] == 1
     worker.kill_all()
+
+
+def test_a_retry_waiting_out_its_countdown_is_not_stranded(
+    settings: DexSettings, start_worker: StartWorker, ledger_path: Path
+) -> None:
+    # Given a worker whose retries may wait up to 4 s, longer than the republish window (2 s)
+    slow = settings.model_copy(update={"retry_backoff_max_seconds": 4.0})
+    start_worker(concurrency=1, tools="workers.example_tools,tests.edge_tools",
+                 extra_env={"DEX_RETRY_BACKOFF_MAX_SECONDS": "4.0"})
+    with DexClient(slow) as client:
+        rt = Runtime(settings=slow, store=client.store,
+                     redis=redis.Redis.from_url(slow.redis_url), app=client.app)
+        # And a read whose service asked to be retried in 4 s (Celery holds the retry's message)
+        record = client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1",
+                                  tool="hinted_lookup", arguments={"retry_after": "4"})
+        first = started_pid(ledger_path, record.key, attempt=1)
+        wait_until(lambda: client.get_tool_call(record.key).status is CallStatus.QUEUED, 10,
+                   "the retry to be scheduled")
+        queued_at = time.time()
+
+        # When the republisher runs past its window while the retry is still due later
+        window = slow.republish_after_seconds
+        assert republish_stranded(rt, now=queued_at + window + 0.5) == 0
+        # Then it sent nothing: the call ran twice in all, its retry 4 s after its first attempt
+        done = client.wait(record.key, timeout=20)
+        assert done.status is CallStatus.SUCCEEDED and done.attempts == 2
+        runs = [e for e in ledger.read(ledger_path) if e["key"] == record.key]
+        assert [e["attempt"] for e in runs] == [1, 2]
+        assert runs[0]["pid"] == first
+        assert 4.0 * 0.9 <= runs[1]["at"] - runs[0]["at"] < 4.0 + 3.0
+        assert rt.redis.llen(RETRYING_QUEUE) == 0
+        rt.redis.close()
