@@ -79,7 +79,7 @@ def test_demo_reaches_every_announced_outcome_and_leaves_nothing_behind(marker: 
     assert "FAILED" not in out
     for path in PATHS:
         assert re.search(rf"^ok {re.escape(path)}: ", out, re.M), f"{path!r} not ok:\n{out}"
-    assert re.search(r"/sessions/demo-[0-9a-f]+/approvals\?token=\S+", out)
+    assert re.search(r"/sessions/demo-[0-9a-f]+\?token=\S+", out)
     assert "redis-server from" in out
     # And the agent printed the transcript the model reads: the seeds' cancel_order approved
     # and rejected, the killed charge's unknown outcome, then its report
