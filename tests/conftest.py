@@ -101,6 +101,8 @@ def settings_env(settings: DexSettings, ledger: Path | None = None) -> dict[str,
     """The environment a subprocess needs to see ``settings``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEX_")}
     for name, value in settings.model_dump().items():
+        if value is None:
+            continue  # unset: the subprocess sees no variable, as the default intends
         if hasattr(value, "get_secret_value"):
             value = value.get_secret_value()
         env[f"DEX_{name.upper()}"] = str(value)

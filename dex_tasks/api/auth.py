@@ -13,6 +13,7 @@ a valid token for another session -> 403. Nothing is read or changed before that
 
 from __future__ import annotations
 
+import hmac
 import logging
 from typing import Any
 
@@ -20,6 +21,7 @@ from fastapi import HTTPException, Request, status
 from fastapi.security import APIKeyQuery, HTTPAuthorizationCredentials, HTTPBearer
 
 from dex_tasks.errors import ForbiddenSessionError, InvalidTokenError
+from dex_tasks.settings import DexSettings
 from dex_tasks.tokens import TokenClaims, verify_token
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,25 @@ async def body_session_id(request: Request) -> str | None:
         return None
     value = body.get("session_id") if isinstance(body, dict) else None
     return value if isinstance(value, str) and value else None
+
+
+def check_metrics_token(settings: DexSettings,
+                        credentials: HTTPAuthorizationCredentials | None) -> None:
+    """401 unless the request carries ``DEX_METRICS_TOKEN`` as its bearer token.
+
+    A static token rather than a signed one: Prometheus reads it from a file on every scrape
+    and cannot renew an expiring token. With no token configured /metrics stays closed.
+    """
+    expected = settings.metrics_token.get_secret_value() if settings.metrics_token else ""
+    given = credentials.credentials if credentials is not None else ""
+    if not expected:
+        _refused("metrics_disabled", None)
+        raise unauthorized("/metrics needs a token: set DEX_METRICS_TOKEN on the API and send "
+                           "it as 'Authorization: Bearer <token>'")
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        _refused("metrics_token" if given else "missing", None)
+        raise unauthorized("invalid metrics token: send DEX_METRICS_TOKEN as "
+                           "'Authorization: Bearer <token>'")
 
 
 def _refused(reason: str, session_id: str | None) -> None:
