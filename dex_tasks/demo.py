@@ -362,6 +362,7 @@ def build_env(workdir: Path, base: dict[str, str]) -> tuple[dict[str, str], list
     env = dict(base)
     own = [name for name in ("DEX_REDIS_URL", "DEX_DATABASE_URL") if env.get(name)]
     env.setdefault("DEX_DATABASE_URL", f"sqlite:///{workdir / 'dex.db'}")
+    env.setdefault("DEX_STATE_DIR", str(workdir / "state"))
     if not env.get("DEX_SECRET_KEY"):
         env["DEX_SECRET_KEY"] = secrets.token_urlsafe(32)
     if not env.get("DEX_METRICS_TOKEN"):

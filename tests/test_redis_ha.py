@@ -23,6 +23,7 @@ import redis
 from dex_tasks import TOOL_DID_NOT_RUN, CallStatus, DexClient, DexSettings, ToolCallRecord
 from dex_tasks.celery_app import create_app
 from dex_tasks.errors import ConfigurationError
+from dex_tasks.metrics import SWEEP_STATS_KEY, metrics_redis, render_metrics
 from dex_tasks.redis_clients import redis_client
 from tests.conftest import fast_settings, settings_env
 from tests.helpers import WorkerProcess, start_process, wait_until
@@ -100,9 +101,23 @@ def test_sentinel_failover_under_load_loses_nothing_and_runs_nothing_twice(
 
         wait_until(all_terminal, 60, "every call to end", interval=0.2)
         final = {k: client.get_tool_call(k) for k in records}
-        # The same worker and beat processes rode through the failover
+        # The same worker and beat processes rode through the failover, and the sweeps they
+        # run record their statistics on the new master, where a metrics scrape finds them
         assert worker.proc.poll() is None, worker.log()[-3000:]
         assert beat.poll() is None, (tmp_path / "beat.log").read_text()[-3000:]
+        stats = redis_client(settings)
+        assert stats.info("replication")["role"] == "master"
+        assert stats.connection_pool.get_master_address()[1] == sentinel_group.replica.port
+        promoted_wall = time.time() - (time.monotonic() - promoted_at[0])
+
+        def swept_since_promotion() -> bool:
+            last = stats.hget(SWEEP_STATS_KEY, "republish_stranded:last_run")
+            return last is not None and float(last) > promoted_wall
+
+        wait_until(swept_since_promotion, 20, "a sweep to run against the new master")
+        scrape = render_metrics(client.store, metrics_redis(settings))[0].decode()
+        assert "dex_redis_up 1.0" in scrape and "dex_sweep_runs_total{" in scrape
+        stats.close()
     finally:
         client.close()
         worker.discard()
