@@ -26,6 +26,7 @@ import yaml
 
 from dex_tasks import CallStatus, DexClient, redis_clients
 from dex_tasks.cli import app
+from dex_tasks.registry import get_local_tool
 from dex_tasks.settings import DexSettings
 from tests.conftest import settings_env
 from tests.helpers import ROOT, WorkerProcess, start_process
@@ -283,7 +284,8 @@ def test_a_worker_imports_a_tool_package_from_the_mount_named_by_dex_tools(
         worker.wait_ready()
         # Then it published the tool, and an agent without the code runs it
         with DexClient(settings) as client:
-            assert [t.name for t in client.list_tools()] == ["acme_greeting"]
+            assert [row.name for row in client.store.list_catalog()] == ["acme_greeting"]
+            assert get_local_tool("acme_greeting") is None
             record = client.call_tool(session_id="s", turn_id="t", tool_call_id="c",
                                       tool="acme_greeting", arguments={"name": "ops"})
             done = client.wait(record.key, 30)
