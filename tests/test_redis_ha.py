@@ -40,6 +40,8 @@ assert example_tools.charge_card  # registered here too: call_tool validates loc
 
 CALLS = 240
 KILL_AFTER = 80
+MIN_AFTER = 40
+SETTLE_SECONDS = 2.0
 
 
 @pytest.fixture
@@ -78,11 +80,19 @@ def test_sentinel_failover_under_load_loses_nothing_and_runs_nothing_twice(
             promoted_at.append(time.monotonic())
 
         watcher = threading.Thread(target=watch_failover, daemon=True)
-        for i in range(CALLS):
+        def made_after_promotion() -> list[str]:
+            # Calls made once the new master had a moment to be found (publishers retry)
+            return [k for k, at in submitted_at.items()
+                    if promoted_at and at > promoted_at[0] + SETTLE_SECONDS]
+
+        i = 0
+        while i < CALLS or len(made_after_promotion()) < MIN_AFTER:
             if i == KILL_AFTER:
                 assert sentinel_group.master.proc is not None
                 os.kill(sentinel_group.master.proc.pid, signal.SIGKILL)
                 watcher.start()
+            if i > KILL_AFTER and not watcher.is_alive():
+                assert promoted_at, "the replica was never promoted"
             if i % 2:
                 tool, arguments = "charge_card", {"customer_id": f"cu_{i}", "amount_cents": i}
             else:
@@ -92,6 +102,7 @@ def test_sentinel_failover_under_load_loses_nothing_and_runs_nothing_twice(
             records[record.key] = record
             submitted_at[record.key] = time.monotonic()
             time.sleep(0.03)  # a steady agent, so calls arrive before, during and after
+            i += 1
         watcher.join(35)
         assert promoted_at, "the replica was never promoted"
 
@@ -142,12 +153,11 @@ def test_sentinel_failover_under_load_loses_nothing_and_runs_nothing_twice(
         else:
             assert record.status is CallStatus.OUTCOME_UNKNOWN and record.tool == "charge_card"
     # And calls go on: everything submitted once the replica was promoted succeeded
-    after = [k for k in records if submitted_at[k] > promoted_at[0] + 2.0]
-    assert len(after) >= 20, f"only {len(after)} calls were made after the failover"
+    after = made_after_promotion()
+    assert len(after) >= MIN_AFTER
     assert all(final[k].status is CallStatus.SUCCEEDED for k in after), [
         (k, final[k].status.value, final[k].error) for k in after
         if final[k].status is not CallStatus.SUCCEEDED]
-    assert statuses["succeeded"] >= CALLS * 0.8, statuses
     print(f"\nfailover: {dict(statuses)}, {len(after)} calls after promotion")
 
 
