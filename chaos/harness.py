@@ -152,11 +152,14 @@ class Harness:
             retry_backoff_base_seconds=0.05,
             retry_backoff_max_seconds=0.5,
             publish_timeout_seconds=1.0,
+            state_dir=self.workdir / "state",
         )
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DEX_")}
         for name, value in self.settings.model_dump().items():
+            if value is None:
+                continue  # unset stays unset ("None" would be a value)
             if hasattr(value, "get_secret_value"):
                 value = value.get_secret_value()
             env[f"DEX_{name.upper()}"] = str(value)

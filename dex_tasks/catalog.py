@@ -95,7 +95,8 @@ def lookup(store: Store, name: str) -> ToolInfo:
         return ToolInfo(name, local.explicit_policy, local.hints, local.schema, local)
     row = store.get_catalog(name)
     if row is None:
-        raise UnknownToolError(name)
+        empty = not store.list_catalog()  # read only on this error path
+        raise UnknownToolError(name, empty_catalog_at=store.safe_url if empty else None)
     raw_policy = json.loads(row.policy)
     return ToolInfo(
         name=name,

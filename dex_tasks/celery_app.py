@@ -19,6 +19,7 @@ from kombu.entity import Queue
 
 from dex_tasks.models import ToolCallRow
 from dex_tasks.policy import EffectClass
+from dex_tasks.redis_clients import broker_options
 from dex_tasks.settings import DexSettings
 
 RETRYING_QUEUE = "dex.retrying"
@@ -34,18 +35,19 @@ SWEEP = "dex.sweep"
 def create_app(settings: DexSettings, *, publisher: bool = False) -> Celery:
     """A Celery app configured for dex-tasks; it sends tasks by name and registers none.
 
-    ``publisher`` is for apps that only send calls (``DexClient``): on a ``redis://`` broker
-    they use a transport that reuses its Redis client per channel (see ``transport.py``).
+    ``publisher`` is for apps that only send calls (``DexClient``): they use a transport that
+    reuses its Redis client per channel (see ``transport.py``).
     """
+    # Sentinel and TLS: the same parsing as every other Redis client (see redis_clients.py).
+    broker = broker_options(settings, publisher=publisher)
     app = Celery("dex_tasks", broker=settings.redis_url, set_as_current=False)
-    if publisher and settings.redis_url.startswith("redis://"):
-        app.conf.broker_transport = "dex_tasks.transport:Transport"
     transport = {
         "visibility_timeout": settings.visibility_timeout_seconds,
         "socket_connect_timeout": settings.publish_timeout_seconds,
         "socket_timeout": max(5.0, settings.publish_timeout_seconds),
         "socket_keepalive": True,
         "health_check_interval": 10,
+        **broker.pop("broker_transport_options"),
     }
     app.conf.update(
         # Never pickle: write access to the broker plus pickle is remote code execution.
@@ -89,6 +91,7 @@ def create_app(settings: DexSettings, *, publisher: bool = False) -> Celery:
         # call from the moment a worker receives it, and shows queue lengths on its Broker page.
         task_send_sent_event=False,
         enable_utc=True,
+        **broker,
     )
     app.dex_settings = settings  # type: ignore[attr-defined]
     return app

@@ -5,17 +5,17 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import math
 import os
 import sys
-import tempfile
 from typing import Literal
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from dex_tasks import catalog
 from dex_tasks.celery_app import ALL_QUEUES, create_app
+from dex_tasks.errors import ConfigurationError, DexError
 from dex_tasks.logs import FORMATS, setup_process_logging
 from dex_tasks.registry import local_tools
 from dex_tasks.settings import DexSettings, settings_help
@@ -49,19 +49,53 @@ def _secret_or_none(settings: DexSettings) -> str | None:
 
 
 def import_tool_modules(modules: str) -> list[str]:
-    """Import ``a.b,c`` the way ``celery -A`` does, with the current directory on the path."""
+    """Import ``a.b,c`` the way ``celery -A`` does, with the current directory on the path.
+
+    A module that cannot be found is a :class:`ConfigurationError` naming it (a typo in
+    ``--tools``, or a dependency of the tools that is not installed); any other error in a
+    tool module propagates with its traceback, which is what its author needs.
+    """
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     names = [m.strip() for m in modules.split(",") if m.strip()]
     for name in names:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            missing = err.name or "?"
+            if name == missing or name.startswith(missing + "."):
+                raise ConfigurationError(
+                    f"cannot import tool module {name!r}: no module named {missing!r} "
+                    f"(check --tools / DEX_TOOLS and that it is on PYTHONPATH)"
+                ) from None
+            raise ConfigurationError(
+                f"tool module {name!r} imports {missing!r}, which is not installed here"
+            ) from None
     return names
+
+
+def tool_modules(option: str | None, settings: DexSettings, *, required: bool) -> str:
+    """The tool modules to import: ``--tools`` if given, else ``DEX_TOOLS``."""
+    modules = option if option is not None else (settings.tools or "")
+    if required and not modules.strip():
+        raise ConfigurationError("no tool modules: pass --tools MODULE[,MODULE] or set "
+                                 "DEX_TOOLS (e.g. DEX_TOOLS=my_company.tools)")
+    return modules
+
+
+def positive_seconds(value: float) -> float:
+    """Option callback: a finite number of seconds above zero (typer names the option)."""
+    if not math.isfinite(value) or value <= 0:
+        raise typer.BadParameter(f"must be a positive number of seconds, got {value!r}")
+    return value
 
 
 @app.command()
 def worker(
-    tools: str = typer.Option(..., "--tools", help="Tool modules to import, comma-separated."),
-    concurrency: int = typer.Option(2, "-c", "--concurrency", help="Worker processes."),
+    tools: str | None = typer.Option(
+        None, "--tools", help="Tool modules to import, comma-separated (default: DEX_TOOLS).",
+        show_default=False),
+    concurrency: int = typer.Option(2, "-c", "--concurrency", min=1, help="Worker processes."),
     loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
     log_format: str = LOG_FORMAT_OPTION,
 ) -> None:
@@ -69,7 +103,7 @@ def worker(
     settings = DexSettings()
     setup_process_logging(log_format, loglevel, _secret_or_none(settings),
                           celery=True)
-    import_tool_modules(tools)
+    import_tool_modules(tool_modules(tools, settings, required=True))
     store = Store(settings.database_url)
     store.create_all()
     count = catalog.publish(store, local_tools().values())
@@ -106,9 +140,10 @@ def beat(
                           celery=True)
     celery = create_app(settings)
     celery.conf.beat_schedule = beat_schedule.build(settings)
-    state = os.path.join(tempfile.gettempdir(), f"dex-beat-{os.getuid()}-{os.getpid()}")
+    # The lock keeps this schedule file ours while beat runs: held open until the process ends.
+    state, _lock = beat_schedule.schedule_file(settings.state_dir)
     quiet = ["--quiet"] if log_format == "json" else []
-    celery.start([*quiet, "beat", "--loglevel", loglevel, "--schedule", state])
+    celery.start([*quiet, "beat", "--loglevel", loglevel, "--schedule", str(state)])
 
 
 @app.command()
@@ -154,18 +189,18 @@ def demo(
 
 @app.command()
 def sweep(
-    tools: str = typer.Option(
-        "", "--tools",
-        help="Tool modules to import, so their registered reconcilers run too.",
+    tools: str | None = typer.Option(
+        None, "--tools",
+        help="Tool modules to import, so their registered reconcilers run too "
+             "(default: DEX_TOOLS).",
     ),
 ) -> None:
     """Run every periodic job of beat_schedule.py once, now."""
     from dex_tasks.execution import runtime
     from dex_tasks.sweeps import run_all
 
-    if tools:
-        import_tool_modules(tools)
     settings = DexSettings()
+    import_tool_modules(tool_modules(tools, settings, required=False))
     rt = runtime(create_app(settings))
     rt.store.create_all()
     console.print_json(json.dumps(run_all(rt)))
@@ -177,6 +212,7 @@ def list_calls(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """List a session's tool calls."""
+    from dex_tasks.cli_render import calls_view
     from dex_tasks.client import DexClient
 
     client = DexClient(DexSettings())
@@ -184,11 +220,7 @@ def list_calls(
     if as_json:
         console.print_json(snapshot.model_dump_json())
         return
-    table = Table("key", "tool", "effect", "status", "attempts", "error")
-    for call in snapshot.tool_calls:
-        table.add_row(call.key, call.tool, call.effect.value, call.status.value,
-                      str(call.attempts), (call.error or "")[:80])
-    console.print(table)
+    console.print(calls_view(snapshot.tool_calls, console), highlight=False)
 
 
 @app.command()
@@ -218,7 +250,8 @@ def token(
         help="operate: read and decide approvals; view: read only (the page shows no "
              "Approve/Reject).",
     ),
-    ttl: float = typer.Option(3600.0, "--ttl", help="Seconds until the token expires."),
+    ttl: float = typer.Option(3600.0, "--ttl", help="Seconds until the token expires.",
+                              callback=positive_seconds),
     approver: str | None = typer.Option(
         None, "--approver", help="The name recorded with each decision made with the token."
     ),
@@ -273,16 +306,9 @@ def approvals_list(
     if as_json:
         console.print_json(json.dumps([p.model_dump(mode="json") for p in pending]))
         return
-    from rich.table import Column
+    from dex_tasks.cli_render import approvals_view
 
-    # The interrupt id is what an operator copies into approve/reject: never wrap or cut it.
-    table = Table(Column("interrupt_id", no_wrap=True, min_width=32), "call",
-                  "tool", "arguments", "deadline (UTC)")
-    for p in pending:
-        table.add_row(p.interrupt_id, p.key, f"{p.tool} ({p.effect.value})",
-                      json.dumps(p.arguments)[:200],
-                      p.deadline.strftime("%Y-%m-%d %H:%M:%S") if p.deadline else "none")
-    console.print(table)
+    console.print(approvals_view(pending), highlight=False)
 
 
 def _decide(session_id: str, interrupt_id: str, approved: bool, message: str | None,
@@ -344,7 +370,8 @@ def approvals_reject(
 def reconcile(
     session_id: str = typer.Argument(..., help="The session whose outcome_unknown calls to check."),
     tools: str | None = typer.Option(
-        None, "--tools", help="Tool modules whose @tool.reconciler checkers to use (a,b)."
+        None, "--tools",
+        help="Tool modules whose @tool.reconciler checkers to use (a,b; default: DEX_TOOLS).",
     ),
 ) -> None:
     """Ask the tools' checkers what happened to SESSION_ID's outcome_unknown calls and report it.
@@ -355,9 +382,10 @@ def reconcile(
     from dex_tasks.client import DexClient
     from dex_tasks.reconcile import reconcile_with_reconcilers
 
-    if tools:
-        import_tool_modules(tools)
-    with DexClient(DexSettings()) as client:
+    settings = DexSettings()
+    tools = tool_modules(tools, settings, required=False)
+    import_tool_modules(tools)
+    with DexClient(settings) as client:
         result = reconcile_with_reconcilers(client.store, session_id)
     for report in result.reported:
         console.print(f"[green]reported[/green] {report.key}: {report.text}", highlight=False)
@@ -375,8 +403,17 @@ def reconcile(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the console script."""
-    app(args=argv)
+    """Entry point of the console script.
+
+    A :class:`DexError` (a call that does not exist, a setting that is wrong, a store that
+    cannot be reached) is the user's to fix, not a bug: one line on stderr, no traceback, exit
+    status 2 for configuration and 1 otherwise.
+    """
+    try:
+        app(args=argv)
+    except DexError as err:
+        typer.echo(f"error: {err}", err=True)
+        sys.exit(2 if isinstance(err, ConfigurationError) else 1)
 
 
 if __name__ == "__main__":

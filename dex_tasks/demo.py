@@ -338,7 +338,8 @@ class Agent:
                      f"report {'follows it' if report_after else 'is missing'}")
 
     def metrics(self) -> Check:
-        status, body = http_get(f"{self.stack.api_url}/metrics")
+        status, body = http_get(f"{self.stack.api_url}/metrics",
+                                token=self.stack.env["DEX_METRICS_TOKEN"])
         wanted = f'status="{CallStatus.OUTCOME_UNKNOWN.value}"'
         line = next((ln for ln in body.splitlines()
                      if ln.startswith("dex_tool_calls{") and wanted in ln), "")
@@ -398,8 +399,11 @@ def build_env(workdir: Path, base: dict[str, str]) -> tuple[dict[str, str], list
     env = dict(base)
     own = [name for name in ("DEX_REDIS_URL", "DEX_DATABASE_URL") if env.get(name)]
     env.setdefault("DEX_DATABASE_URL", f"sqlite:///{workdir / 'dex.db'}")
+    env.setdefault("DEX_STATE_DIR", str(workdir / "state"))
     if not env.get("DEX_SECRET_KEY"):
         env["DEX_SECRET_KEY"] = secrets.token_urlsafe(32)
+    if not env.get("DEX_METRICS_TOKEN"):
+        env["DEX_METRICS_TOKEN"] = secrets.token_urlsafe(32)
     for name, value in FAST_SETTINGS.items():
         env.setdefault(name, value)
     env.setdefault(LEDGER_ENV, str(workdir / "ledger.jsonl"))

@@ -5,7 +5,7 @@ catch one type. The tree::
 
     DexError
     ├── ConfigurationError      a setting is missing or malformed
-    ├── UnknownToolError        no local tool and no catalog entry has that name
+    ├── UnknownToolError        no local tool and no catalog entry has that name (or no catalog)
     ├── ToolDefinitionError     a @tool function cannot be turned into a tool
     ├── ConflictError           the idempotency key exists with another tool or other arguments
     ├── CallNotFoundError       no call is stored under that key
@@ -37,10 +37,18 @@ class ConfigurationError(DexError):
 class UnknownToolError(DexError):
     """No tool of that name is registered locally or published in the catalog."""
 
-    def __init__(self, tool: str) -> None:
-        super().__init__(f"unknown tool {tool!r}: no @tool of that name is registered in this "
-                         "process and no worker has published it to the catalog")
+    def __init__(self, tool: str, *, empty_catalog_at: str | None = None) -> None:
+        if empty_catalog_at is not None:
+            # Nothing published at all: far more often the wrong database than a wrong name.
+            message = (f"tool {tool!r} is not registered in this process, and no worker has "
+                       f"published tools to {empty_catalog_at}: is DEX_DATABASE_URL the one "
+                       "the workers use?")
+        else:
+            message = (f"unknown tool {tool!r}: no @tool of that name is registered in this "
+                       "process and no worker has published it to the catalog")
+        super().__init__(message)
         self.tool = tool
+        self.empty_catalog_at = empty_catalog_at
 
 
 class ToolDefinitionError(DexError):

@@ -37,6 +37,7 @@ from dex_tasks.celery_app import publish
 from dex_tasks.errors import OutcomeUnknownError, TransientToolError
 from dex_tasks.models import ToolCallRow
 from dex_tasks.policy import EffectClass
+from dex_tasks.redis_clients import redis_client
 from dex_tasks.registry import InvalidArguments, ToolContext, get_local_tool
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
@@ -67,7 +68,7 @@ def runtime(app: Celery) -> Runtime:
         _runtime = Runtime(
             settings=settings,
             store=Store(settings.database_url),
-            redis=redis.Redis.from_url(settings.redis_url, socket_timeout=10),
+            redis=redis_client(settings, socket_timeout=10),
             app=app,
         )
     return _runtime

@@ -39,6 +39,8 @@ from prometheus_client.registry import Collector
 from sqlalchemy import and_, case, func, select
 
 from dex_tasks.errors import DexError
+from dex_tasks.redis_clients import redis_client
+from dex_tasks.settings import DexSettings
 from dex_tasks.states import CallStatus
 from dex_tasks.store import CALLS, INTERRUPTS
 
@@ -204,13 +206,20 @@ class StoreCollector(Collector):
         yield last
 
 
-@functools.lru_cache(maxsize=4)
-def metrics_redis(url: str) -> redis.Redis:
-    """One Redis client per URL per process for scrapes (short timeouts: a scrape must not
-    hang on a dead Redis)."""
-    import redis as redis_lib
+def metrics_redis(settings: DexSettings) -> redis.Redis:
+    """One Redis client per Redis configuration per process for scrapes (short timeouts: a
+    scrape must not hang on a dead Redis)."""
+    return _metrics_redis(settings.model_dump_json(include=set(_REDIS_FIELDS)))
 
-    return redis_lib.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+
+_REDIS_FIELDS = ("redis_url", "redis_sentinel_master", "redis_tls_ca_file",
+                 "redis_tls_cert_file", "redis_tls_key_file")
+
+
+@functools.lru_cache(maxsize=4)
+def _metrics_redis(redis_settings: str) -> redis.Redis:
+    settings = DexSettings.model_validate_json(redis_settings)
+    return redis_client(settings, socket_timeout=2, socket_connect_timeout=2)
 
 
 def _le(bound: float) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -14,11 +17,31 @@ class DexSettings(BaseSettings):
     Each field reads the environment variable ``DEX_<FIELD NAME IN CAPITALS>``.
     """
 
-    model_config = SettingsConfigDict(env_prefix="DEX_", extra="ignore")
+    # An empty variable means "not set": compose files pass optional settings through as
+    # ${DEX_X:-}, which must not turn a file path or a token into "".
+    model_config = SettingsConfigDict(env_prefix="DEX_", extra="ignore", env_ignore_empty=True)
 
     redis_url: str = Field(
         default="redis://127.0.0.1:6379/0",
-        description="Celery broker and claim keys.",
+        description="Celery broker and claim keys: redis://, rediss:// (TLS) or "
+        "sentinel://host:port;sentinel://host:port (Redis Sentinel).",
+    )
+    redis_sentinel_master: str | None = Field(
+        default=None,
+        description="The master name the Sentinels monitor (required with sentinel://).",
+    )
+    redis_tls_ca_file: str | None = Field(
+        default=None,
+        description="CA certificate (PEM) that signed Redis's TLS certificate (rediss://); "
+        "default: the system's trusted CAs.",
+    )
+    redis_tls_cert_file: str | None = Field(
+        default=None,
+        description="Client certificate (PEM) for a Redis that requires one (rediss://).",
+    )
+    redis_tls_key_file: str | None = Field(
+        default=None,
+        description="Private key (PEM) of DEX_REDIS_TLS_CERT_FILE.",
     )
     database_url: str = Field(
         default="sqlite:///dex_tasks.db",
@@ -69,7 +92,20 @@ class DexSettings(BaseSettings):
         default=60.0, ge=0,
         description="Cap on the retry delay.",
     )
-
+    tools: str | None = Field(
+        default=None,
+        description="Tool modules (a.b,c) the worker imports when --tools is not given.",
+    )
+    metrics_token: SecretStr | None = Field(
+        default=None,
+        description="Bearer token GET /metrics requires (give it to Prometheus); unset, "
+        "/metrics answers 401.",
+    )
+    state_dir: Path = Field(
+        default_factory=lambda: default_state_dir(),
+        description="Where beat keeps its schedule file (default: "
+        "$XDG_STATE_HOME/dex-tasks, else ~/.local/state/dex-tasks).",
+    )
 
     def signing_key(self) -> str:
         """The token-signing secret; :class:`ConfigurationError` when it is not set."""
@@ -81,6 +117,13 @@ class DexSettings(BaseSettings):
                 "e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'"
             )
         return value
+
+
+def default_state_dir() -> Path:
+    """The per-user state directory of the XDG base directory spec, for dex-tasks."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                            "state")
+    return Path(base) / "dex-tasks"
 
 
 def settings_help() -> str:

@@ -158,7 +158,9 @@ def run_job(rt: Runtime, job: str, now: float | None = None) -> int:
             rt.redis.delete(lock)
         except Exception:  # noqa: BLE001
             pass
-    log.info("sweep done", extra={"action": "sweep", "job": job, "count": count})
+    # Most runs find nothing to do, every few seconds on every beat: only work is news.
+    log.log(logging.INFO if count else logging.DEBUG, "sweep done",
+            extra={"action": "sweep", "job": job, "count": count})
     try:
         from dex_tasks.metrics import record_sweep
 

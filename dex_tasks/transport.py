@@ -3,7 +3,9 @@
 kombu's Redis channel builds a new ``redis.Redis`` client object for every message it
 publishes (``Channel.conn_or_acquire``); the client shares the channel's connection pool, so
 nothing is gained by rebuilding it, and the build is about a fifth of ``call_tool``'s time.
-Used only for ``redis://`` brokers by the apps that publish calls (see ``create_app``).
+Used by the apps that publish calls (see ``create_app``), on every kind of broker URL:
+:class:`Transport` for ``redis://`` and ``rediss://``, :class:`SentinelTransport` for
+``sentinel://``.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from typing import Any
 from kombu.transport import redis as kombu_redis
 
 
-class Channel(kombu_redis.Channel):  # type: ignore[misc]
-    """A Redis channel whose synchronous commands share one client object."""
+class _OneClient:
+    """Mixin for kombu Redis channels: synchronous commands share one client object."""
 
     _dex_client: Any = None
 
@@ -26,11 +28,29 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
             yield client
             return
         if self._dex_client is None:
-            self._dex_client = self._create_client()  # type: ignore[no-untyped-call]
+            self._dex_client = self._create_client()  # type: ignore[attr-defined]
         yield self._dex_client
+
+
+class Channel(_OneClient, kombu_redis.Channel):  # type: ignore[misc]
+    """A Redis channel whose synchronous commands share one client object."""
 
 
 class Transport(kombu_redis.Transport):  # type: ignore[misc]
     """kombu's Redis transport with :class:`Channel`."""
 
     Channel = Channel
+
+
+class SentinelChannel(_OneClient, kombu_redis.SentinelChannel):  # type: ignore[misc]
+    """A Sentinel channel whose synchronous commands share one client object.
+
+    The client's pool asks the Sentinels for the master on every new connection, so after a
+    failover the shared client reaches the new master like a fresh one would.
+    """
+
+
+class SentinelTransport(kombu_redis.SentinelTransport):  # type: ignore[misc]
+    """kombu's Sentinel transport with :class:`SentinelChannel`."""
+
+    Channel = SentinelChannel

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -70,6 +71,9 @@ def database_url(request: pytest.FixtureRequest) -> str:
     return str(request.getfixturevalue(fixture))
 
 
+_STATE_DIR = Path(tempfile.mkdtemp(prefix="dex-test-state-"))
+
+
 def fast_settings(redis_url: str, database_url: str, **overrides: object) -> DexSettings:
     """Settings with short leases and windows, so failures surface in seconds."""
     values: dict[str, object] = {
@@ -82,6 +86,8 @@ def fast_settings(redis_url: str, database_url: str, **overrides: object) -> Dex
         "retry_backoff_base_seconds": 0.05,
         "retry_backoff_max_seconds": 0.2,
         "publish_timeout_seconds": 1.0,
+        # Beats of this run keep their schedules here, not in the user's state directory.
+        "state_dir": _STATE_DIR,
     }
     values.update(overrides)
     return DexSettings(**values)  # type: ignore[arg-type]
@@ -101,6 +107,8 @@ def settings_env(settings: DexSettings, ledger: Path | None = None) -> dict[str,
     """The environment a subprocess needs to see ``settings``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEX_")}
     for name, value in settings.model_dump().items():
+        if value is None:
+            continue  # unset: the subprocess sees no variable, as the default intends
         if hasattr(value, "get_secret_value"):
             value = value.get_secret_value()
         env[f"DEX_{name.upper()}"] = str(value)

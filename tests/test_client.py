@@ -199,3 +199,36 @@ def test_bad_durations_are_refused_naming_the_field(client: DexClient, field: st
                          tool="lookup_order", arguments={"order_id": "1001"},
                          **{field: -5})
     assert client.get_agent_snapshot("s1").tool_calls == []
+
+
+def test_a_store_with_no_catalog_says_so_instead_of_unknown_tool(
+    database_url: str, redis_url: str
+) -> None:
+    # Given an agent whose database is not the workers' (nothing was ever published to it),
+    # with a password in its URL
+    from sqlalchemy.engine import make_url
+
+    from dex_tasks.errors import UnknownToolError
+    from tests.conftest import fast_settings
+
+    url = make_url(database_url)
+    if url.get_backend_name() == "postgresql":
+        url = url.set(password="s3cret-pw")  # trust auth on the test server ignores it
+    with DexClient(fast_settings(redis_url, url.render_as_string(hide_password=False))) as c:
+        # When it calls a tool it does not have locally
+        with pytest.raises(UnknownToolError) as err:
+            c.call_tool(session_id="s", turn_id="t", tool_call_id="c", tool="lookup_orders",
+                        arguments={})
+        # Then the error points at the database, without its password
+        text = str(err.value)
+        assert err.value.tool == "lookup_orders"
+        assert "no worker has published tools to " + url.render_as_string() in text
+        assert "is DEX_DATABASE_URL the one the workers use?" in text
+        assert "s3cret-pw" not in text
+
+        # And once a worker has published a catalog, a name it lacks is an unknown tool
+        catalog_mod.publish(c.store, [example_tools.lookup_order])
+        with pytest.raises(UnknownToolError, match="unknown tool 'lookup_orders'") as err:
+            c.call_tool(session_id="s", turn_id="t", tool_call_id="c", tool="lookup_orders",
+                        arguments={})
+        assert err.value.empty_catalog_at is None

@@ -1,27 +1,35 @@
-"""docker-compose.yml and the Dockerfile, checked without a Docker engine.
+"""docker-compose.yml, the Dockerfile and the package metadata, checked without a Docker engine.
 
 The YAML is parsed and held to the production rules (Redis AOF and noeviction, healthchecks,
-a scalable worker, exactly one beat, secrets from the environment); every ``dex-tasks`` command
-in it is parsed by the real CLI, and every ``DEX_*`` variable must be a setting. Where a compose
-client is installed, ``docker compose config`` (or ``docker-compose config``) validates the file
-too: it needs no engine.
+a scalable worker, exactly one beat, secrets from the environment, the user's tool module and
+never the examples); every ``dex-tasks`` command in it is parsed by the real CLI, and every
+``DEX_*`` variable must be a setting. ``docker compose config`` (or Debian's
+``docker-compose config``) validates the file as a user would render it: it needs no engine.
+A real worker imports a tool package the way the image's mount provides it.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import os
 import re
 import shutil
 import subprocess
+import tomllib
+from pathlib import Path
 from typing import Any
 
 import pytest
 import typer
 import yaml
 
+from dex_tasks import CallStatus, DexClient, redis_clients
 from dex_tasks.cli import app
+from dex_tasks.registry import get_local_tool
 from dex_tasks.settings import DexSettings
-from tests.helpers import ROOT
+from tests.conftest import settings_env
+from tests.helpers import ROOT, WorkerProcess, start_process
 
 COMPOSE = ROOT / "docker-compose.yml"
 DEX_SERVICES = ("worker", "beat", "api")
@@ -52,8 +60,11 @@ def test_services_and_commands(compose: dict[str, Any]) -> None:
     svc = services(compose)
     assert set(svc) == {"redis", "postgres", "worker", "beat", "api", "flower"}
 
+    # The workers run the tool module the user names; the example tools appear nowhere
     worker = parse_cli(svc["worker"]["command"])
-    assert worker.params["tools"] == "workers.example_tools"
+    assert worker.params["tools"] == "${DEX_TOOLS}"
+    assert "example_tools" not in COMPOSE.read_text().replace(
+        "DEX_TOOLS=workers.example_tools", "")  # (the comment that tells how to try them)
     assert parse_cli(svc["beat"]["command"]).info_name == "beat"
     api = parse_cli(svc["api"]["command"])
     assert api.params["host"] == "0.0.0.0"
@@ -101,11 +112,12 @@ def test_every_dex_variable_is_a_setting_and_secrets_are_not_hard_coded(
     svc = services(compose)
     for name in DEX_SERVICES:
         env = svc[name]["environment"]
-        assert {"DEX_REDIS_URL", "DEX_DATABASE_URL", "DEX_SECRET_KEY"} <= set(env)
+        assert {"DEX_REDIS_URL", "DEX_DATABASE_URL", "DEX_SECRET_KEY", "DEX_TOOLS"} <= set(env)
         unknown = set(env) - known
         assert not unknown, f"{name}: {sorted(unknown)} are not DexSettings fields"
         # The signing key and the database password come from the environment / .env file.
         assert re.fullmatch(r"\$\{DEX_SECRET_KEY:\?[^}]+\}", env["DEX_SECRET_KEY"])
+        assert re.fullmatch(r"\$\{DEX_TOOLS:\?[^}]+\}", env["DEX_TOOLS"])
         assert "${POSTGRES_PASSWORD:?" in env["DEX_DATABASE_URL"]
         assert env["DEX_DATABASE_URL"].startswith("postgresql+psycopg://")
         assert env["DEX_REDIS_URL"] == "redis://redis:6379/0"
@@ -117,16 +129,32 @@ def test_every_dex_variable_is_a_setting_and_secrets_are_not_hard_coded(
     assert mentioned <= known, sorted(mentioned - known)
 
 
-def test_dockerfile_builds_a_non_root_image_with_postgres() -> None:
+def test_dockerfile_builds_a_non_root_image_with_postgres_and_the_users_tools() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
     assert 'pip install ".[postgres]"' in text
+    # The user's tools: a build argument installed after dex-tasks, and a mount point on the
+    # import path
+    assert re.search(r"^ARG TOOLS_REQUIREMENTS=", text, re.M)
+    assert "pip install $TOOLS_REQUIREMENTS" in text
+    assert re.search(r"^ENV PYTHONPATH=/opt/dex-tools$", text, re.M)
+    assert re.search(r"^COPY pyproject.toml README.md LICENSE ", text, re.M)
     users = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert users and users[-1] not in ("root", "0")
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored and ".env" in ignored
 
 
+def test_package_metadata_uses_the_spdx_license_form() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
+    assert project["license-files"] == ["LICENSE"]
+    assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
+    # The installed distribution carries it as PEP 639 metadata
+    assert importlib.metadata.metadata("dex-tasks")["License-Expression"] == "Apache-2.0"
+
+
+@functools.cache
 def _compose_client() -> list[str] | None:
     for argv in (["docker", "compose"], ["docker-compose"]):
         if shutil.which(argv[0]) is None:
@@ -137,22 +165,130 @@ def _compose_client() -> list[str] | None:
     return None
 
 
-def test_compose_config_validates() -> None:
+USER_SETTINGS = {"DEX_SECRET_KEY": "k" * 32, "POSTGRES_PASSWORD": "pw-from-env",
+                 "DEX_TOOLS": "my_company.tools"}
+
+
+def compose_config(env: dict[str, str], tmp_path: Path,
+                   *files: Path) -> subprocess.CompletedProcess[str]:
+    """``docker-compose config`` as a user would run it, with only ``env`` set (no .env)."""
     client = _compose_client()
     if client is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI needs `docker compose` or `docker-compose` (no engine) installed")
         pytest.skip("neither `docker compose` nor `docker-compose` is installed")
     base = {k: v for k, v in os.environ.items()
-            if k not in ("DEX_SECRET_KEY", "POSTGRES_PASSWORD")}
-    # Without the secrets the file refuses to render, naming the missing one.
-    missing = subprocess.run([*client, "-f", str(COMPOSE), "config", "-q"], cwd=ROOT,
-                             env=base, capture_output=True, text=True, timeout=60)
-    assert missing.returncode != 0
-    assert "POSTGRES_PASSWORD" in missing.stderr or "DEX_SECRET_KEY" in missing.stderr
-    # With them it validates, and the key reaches the services unchanged.
-    env = {**base, "DEX_SECRET_KEY": "k" * 32, "POSTGRES_PASSWORD": "pw-from-env"}
-    rendered = subprocess.run([*client, "-f", str(COMPOSE), "config"], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=60)
+            if k not in USER_SETTINGS and not k.startswith(("DEX_", "TOOLS_"))}
+    empty = tmp_path / "empty.env"
+    empty.write_text("")
+    args = [arg for f in (COMPOSE, *files) for arg in ("-f", str(f))]
+    return subprocess.run([*client, "--env-file", str(empty), *args, "config"], cwd=ROOT,
+                          env={**base, **env}, capture_output=True, text=True, timeout=60)
+
+
+def test_compose_config_validates_and_names_what_is_missing(tmp_path: Path) -> None:
+    # Without the secrets the file refuses to render, naming one that is missing
+    nothing = compose_config({}, tmp_path)
+    assert nothing.returncode != 0
+    assert any(name in nothing.stderr for name in USER_SETTINGS), nothing.stderr
+    # Without the tool module too: there is no default, least of all the example tools
+    no_tools = compose_config({**USER_SETTINGS, "DEX_TOOLS": ""}, tmp_path)
+    assert no_tools.returncode != 0
+    assert "set DEX_TOOLS in .env to your tool module(s)" in no_tools.stderr, no_tools.stderr
+    # With them it validates, and the values reach the services unchanged
+    rendered = compose_config(USER_SETTINGS, tmp_path)
     assert rendered.returncode == 0, rendered.stderr
     config = yaml.safe_load(rendered.stdout)
     assert config["services"]["api"]["environment"]["DEX_SECRET_KEY"] == "k" * 32
     assert "pw-from-env" in config["services"]["worker"]["environment"]["DEX_DATABASE_URL"]
+
+
+def test_compose_runs_the_users_tool_module_installed_or_mounted(tmp_path: Path) -> None:
+    # Given a user's settings: their module, a requirement to install, a directory to mount
+    env = {**USER_SETTINGS, "DEX_TOOLS": "my_company.tools,my_company.billing",
+           "TOOLS_REQUIREMENTS": "my-company-tools==1.4 stripe>=9", "TOOLS_DIR": "/srv/tools"}
+    rendered = compose_config(env, tmp_path)
+    assert rendered.returncode == 0, rendered.stderr
+    svc = yaml.safe_load(rendered.stdout)["services"]
+
+    # Then the worker's command names their module, as the real CLI parses it
+    worker = parse_cli(svc["worker"]["command"])
+    assert worker.params["tools"] == "my_company.tools,my_company.billing"
+    for name in ("worker", "beat"):
+        # the module is also DEX_TOOLS (sweep and reconcile run in these containers), the
+        # requirement is built into the image, and the directory is mounted read-only on the
+        # image's PYTHONPATH
+        assert svc[name]["environment"]["DEX_TOOLS"] == "my_company.tools,my_company.billing"
+        assert svc[name]["build"]["args"]["TOOLS_REQUIREMENTS"] == "my-company-tools==1.4 stripe>=9"
+        assert "/srv/tools:/opt/dex-tools:ro" in svc[name]["volumes"]
+    # And the example tools run nowhere
+    assert "example_tools" not in rendered.stdout
+
+    # The demo is the same file with the example tools named
+    demo = compose_config({**USER_SETTINGS, "DEX_TOOLS": "workers.example_tools"}, tmp_path)
+    assert demo.returncode == 0, demo.stderr
+    demo_worker = yaml.safe_load(demo.stdout)["services"]["worker"]
+    assert parse_cli(demo_worker["command"]).params["tools"] == "workers.example_tools"
+
+
+def test_the_readmes_tls_override_validates(tmp_path: Path) -> None:
+    # The docker-compose.override.yml the README's "Deploying" section shows
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```yaml\n(# docker-compose.override.yml[^\n]*\n.*?)```", readme, re.S)
+    assert block is not None, "the README lost its TLS override example"
+    override = tmp_path / "docker-compose.override.yml"
+    override.write_text(block.group(1))
+    rendered = compose_config({**USER_SETTINGS, "REDIS_PASSWORD": "r-pw"}, tmp_path, override)
+    assert rendered.returncode == 0, rendered.stderr
+    svc = yaml.safe_load(rendered.stdout)["services"]
+    for name in DEX_SERVICES:
+        env = svc[name]["environment"]
+        assert env["DEX_REDIS_URL"].startswith("rediss://:r-pw@")
+        assert env["DEX_REDIS_TLS_CA_FILE"] == "/certs/ca.crt"
+        assert "sslmode=verify-full" in env["DEX_DATABASE_URL"]
+        assert env["DEX_SECRET_KEY"] == "k" * 32  # the base file's keys are kept
+        assert any(v.endswith("/certs:/certs:ro") for v in svc[name]["volumes"])
+        # Every DEX_ variable it sets is a setting and checks out
+        settings = DexSettings.model_validate(
+            {k[4:].lower(): v for k, v in env.items() if k.startswith("DEX_")})
+        assert redis_clients.target(settings).tls
+
+
+def test_env_example_lists_every_variable_the_compose_file_reads() -> None:
+    read = set(re.findall(r"\$\{([A-Z_]+)", COMPOSE.read_text()))
+    listed = set(re.findall(r"^([A-Z_]+)=", (ROOT / ".env.example").read_text(), re.M))
+    assert read == listed, (sorted(read - listed), sorted(listed - read))
+
+
+def test_a_worker_imports_a_tool_package_from_the_mount_named_by_dex_tools(
+    settings: DexSettings, tmp_path: Path
+) -> None:
+    # Given a tool package in a directory of its own (what the image mounts at /opt/dex-tools
+    # and puts on PYTHONPATH), which the test process never imports
+    package = tmp_path / "mounted" / "acme_tools"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "tools.py").write_text(
+        "from dex_tasks import ToolContext, tool\n\n\n"
+        "@tool(effect='read')\n"
+        "def acme_greeting(ctx: ToolContext, name: str) -> str:\n"
+        "    return f'hello {name}'\n"
+    )
+    env = {**settings_env(settings), "DEX_TOOLS": "acme_tools.tools",
+           "PYTHONPATH": str(tmp_path / "mounted")}
+
+    # When a worker starts with no --tools, as the compose file's environment has it
+    log = tmp_path / "worker.log"
+    worker = WorkerProcess(start_process(["worker", "-c", "1"], env, log), log)
+    try:
+        worker.wait_ready()
+        # Then it published the tool, and an agent without the code runs it
+        with DexClient(settings) as client:
+            assert [row.name for row in client.store.list_catalog()] == ["acme_greeting"]
+            assert get_local_tool("acme_greeting") is None
+            record = client.call_tool(session_id="s", turn_id="t", tool_call_id="c",
+                                      tool="acme_greeting", arguments={"name": "ops"})
+            done = client.wait(record.key, 30)
+        assert done.status is CallStatus.SUCCEEDED and done.result == "hello ops"
+    finally:
+        worker.discard()

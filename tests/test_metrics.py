@@ -8,6 +8,7 @@ from typing import Any
 import redis
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import SecretStr
 
 import workers.example_tools  # noqa: F401 - registers the example tools in this process
 from dex_tasks import CallStatus, DexClient, DexSettings
@@ -16,6 +17,7 @@ from dex_tasks.execution import Runtime
 from dex_tasks.metrics import render_metrics
 from dex_tasks.store import Store
 from dex_tasks.sweeps import run_job
+from dex_tasks.tokens import issue_token
 from tests.helpers import free_port
 
 NOW = 1_800_000_000.0
@@ -145,11 +147,30 @@ def test_unreachable_store_and_redis_are_reported_not_raised(tmp_path: Any) -> N
     assert not any(name == "dex_tool_calls" for name, _ in m)
 
 
-def test_api_serves_metrics_without_a_token(settings: DexSettings, client: DexClient) -> None:
+def test_api_serves_metrics_only_with_the_metrics_token(settings: DexSettings,
+                                                       client: DexClient) -> None:
     client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1", tool="refund_payment",
                      arguments={"charge_id": "ch_1", "amount_cents": 100})
+    scraper = "metrics-token-for-prometheus"
+    session_token = issue_token("test-secret-key", "s1", 60)
+
+    # Given an API with no metrics token configured: /metrics is closed, and says what to set
     with TestClient(create_api(settings)) as http:
-        response = http.get("/metrics")
+        closed = http.get("/metrics", headers={"Authorization": f"Bearer {scraper}"})
+    assert closed.status_code == 401
+    assert "DEX_METRICS_TOKEN" in closed.json()["detail"]
+
+    # Given one with DEX_METRICS_TOKEN: no token, a wrong one, or a session's token get 401
+    guarded = settings.model_copy(update={"metrics_token": SecretStr(scraper)})
+    with TestClient(create_api(guarded)) as http:
+        for headers in ({}, {"Authorization": "Bearer not-it"},
+                        {"Authorization": f"Bearer {session_token}"}):
+            refused = http.get("/metrics", headers=headers)
+            assert refused.status_code == 401, headers
+            assert "dex_tool_calls" not in refused.text
+        response = http.get("/metrics", headers={"Authorization": f"Bearer {scraper}"})
+
+    # Then the scraper's token gets the metrics
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     m = scrape(response.content)

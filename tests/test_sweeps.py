@@ -6,6 +6,7 @@ worker's Redis claim, and ``dex-tasks sweep`` / ``dex-tasks beat`` as real proce
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -294,3 +295,22 @@ def test_beat_reaps_a_lost_worker_with_only_beat_and_another_worker_running(
             beat.kill()
             beat.wait(10)
     survivor.kill_all()
+
+
+def test_sweeps_log_at_debug_unless_they_did_something(
+    client: DexClient, rt: Runtime, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given nothing to do: each sweep logs its run at DEBUG
+    caplog.set_level(logging.DEBUG, logger="dex_tasks.sweeps")
+    run_all(rt)
+    done = [r for r in caplog.records if r.getMessage() == "sweep done"]
+    assert {r.job for r in done} == set(JOBS)  # type: ignore[attr-defined]
+    assert {r.levelno for r in done} == {logging.DEBUG}
+
+    # Given an approval past its deadline: the sweep that rejects it logs at INFO
+    caplog.clear()
+    client.call_tool(session_id="s", turn_id="t", tool_call_id="c", tool="refund_payment",
+                     arguments={"charge_id": "ch_1", "amount_cents": 1}, approval_deadline=60)
+    assert run_job(rt, "expire_approvals", now=time.time() + 120) == 1
+    (record,) = [r for r in caplog.records if r.getMessage() == "sweep done"]
+    assert record.levelno == logging.INFO and record.count == 1  # type: ignore[attr-defined]

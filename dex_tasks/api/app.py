@@ -57,6 +57,7 @@ from dex_tasks.api.auth import (
     authenticate,
     authorize,
     bearer_scheme,
+    check_metrics_token,
     check_token,
     pick_token,
     query_token_scheme,
@@ -348,12 +349,15 @@ def healthz(request: Request) -> HealthResponse:
     return HealthResponse(status="ok", store="ok", event_streams=state.streams.open)
 
 
-@router.get("/metrics", tags=["operations"], response_class=Response)
-def metrics(request: Request) -> Response:
-    """Prometheus metrics, computed from the store and Redis at scrape time. Like /healthz
-    it needs no token: it exposes counts, never arguments or results."""
+@router.get("/metrics", tags=["operations"], response_class=Response,
+            responses={401: {"description": "No token, or not DEX_METRICS_TOKEN."}})
+def metrics(request: Request, credentials: Bearer) -> Response:
+    """Prometheus metrics, computed from the store and Redis at scrape time. Needs
+    ``Authorization: Bearer <DEX_METRICS_TOKEN>`` (Prometheus: ``authorization:
+    credentials_file``): tool names and call volumes are business data."""
     client = _state(request).client
-    body, content_type = render_metrics(client.store, metrics_redis(client.settings.redis_url))
+    check_metrics_token(client.settings, credentials)
+    body, content_type = render_metrics(client.store, metrics_redis(client.settings))
     return Response(body, media_type=content_type)
 
 

@@ -15,12 +15,14 @@ functions first: nothing of the request body is read before that answer.
 
 from __future__ import annotations
 
+import hmac
 import logging
 
 from fastapi import HTTPException, status
 from fastapi.security import APIKeyQuery, HTTPAuthorizationCredentials, HTTPBearer
 
 from dex_tasks.errors import ForbiddenSessionError, InvalidTokenError
+from dex_tasks.settings import DexSettings
 from dex_tasks.tokens import TokenClaims, read_token
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,25 @@ def check_token(secret: str, token: str, session_id: str | None, permission: str
     claims = authenticate(secret, token)
     authorize(claims, session_id, permission)
     return claims
+
+
+def check_metrics_token(settings: DexSettings,
+                        credentials: HTTPAuthorizationCredentials | None) -> None:
+    """401 unless the request carries ``DEX_METRICS_TOKEN`` as its bearer token.
+
+    A static token rather than a signed one: Prometheus reads it from a file on every scrape
+    and cannot renew an expiring token. With no token configured /metrics stays closed.
+    """
+    expected = settings.metrics_token.get_secret_value() if settings.metrics_token else ""
+    given = credentials.credentials if credentials is not None else ""
+    if not expected:
+        _refused("metrics_disabled", None)
+        raise unauthorized("/metrics needs a token: set DEX_METRICS_TOKEN on the API and send "
+                           "it as 'Authorization: Bearer <token>'")
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        _refused("metrics_token" if given else "missing", None)
+        raise unauthorized("invalid metrics token: send DEX_METRICS_TOKEN as "
+                           "'Authorization: Bearer <token>'")
 
 
 def _refused(reason: str, session_id: str | None) -> None:
