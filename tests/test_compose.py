@@ -79,8 +79,10 @@ def test_services_and_commands(compose: dict[str, Any]) -> None:
     assert "container_name" not in svc["beat"]
 
     flower = svc["flower"]
-    assert flower["image"].startswith("mher/flower")
-    assert "--broker=redis://redis:6379/0" in flower["command"]
+    # Flower runs from the dex image with the module-level app, so it follows DEX_REDIS_URL.
+    assert flower["command"] == ["celery", "-A", "dex_tasks", "flower", "--port=5555"]
+    assert flower["environment"]["DEX_REDIS_URL"] == svc["worker"]["environment"]["DEX_REDIS_URL"]
+    assert [str(port) for port in flower["ports"]] == ["127.0.0.1:5555:5555"]
     assert "redis" in flower["depends_on"]
 
 
@@ -132,7 +134,7 @@ def test_every_dex_variable_is_a_setting_and_secrets_are_not_hard_coded(
 def test_dockerfile_builds_a_non_root_image_with_postgres_and_the_users_tools() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
-    assert 'pip install ".[postgres]"' in text
+    assert 'pip install ".[postgres,flower]"' in text
     # The user's tools: a build argument installed after dex-tasks, and a mount point on the
     # import path
     assert re.search(r"^ARG TOOLS_REQUIREMENTS=", text, re.M)
