@@ -69,6 +69,16 @@ class DexSettings(BaseSettings):
         default=60.0, ge=0,
         description="Cap on the retry delay.",
     )
+    queue_deadline_seconds: float = Field(
+        default=300.0, gt=0,
+        description="A queued call whose tool no live worker serves ends 'did not run' after "
+        "waiting this long (its expires_in instead, when the call gave one).",
+    )
+    worker_heartbeat_seconds: float = Field(
+        default=2.0, gt=0,
+        description="How often a worker announces its tools and held messages in Redis; "
+        "after 5 missed beats it counts as gone.",
+    )
 
 
     def signing_key(self) -> str:

@@ -131,9 +131,11 @@ def start_worker(env: dict[str, str], tmp_path: Path) -> Iterator[StartWorker]:
     counter = itertools.count()
 
     def start(concurrency: int = 2, tools: str = "workers.example_tools",
-              extra_env: dict[str, str] | None = None, wait: bool = True) -> WorkerProcess:
+              extra_env: dict[str, str] | None = None, wait: bool = True,
+              serve: str | None = None, pool: str | None = None) -> WorkerProcess:
         log_path = tmp_path / f"worker-{next(counter)}.log"
-        proc = start_process(["worker", "--tools", tools, "-c", str(concurrency)],
+        options = [*(["--serve", serve] if serve else []), *(["--pool", pool] if pool else [])]
+        proc = start_process(["worker", "--tools", tools, "-c", str(concurrency), *options],
                              {**env, **(extra_env or {})}, log_path)
         worker = WorkerProcess(proc, log_path)
         started.append(worker)
