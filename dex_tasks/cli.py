@@ -95,7 +95,9 @@ def worker(
         raise typer.BadParameter(str(err), param_hint="--serve") from None
     store = Store(settings.database_url)
     store.create_all()
-    count = catalog.publish(store, [registered[name] for name in served])
+    # Every imported tool's definition (policy, schema) is published, served here or not:
+    # which tools have a live worker is a separate, expiring record (routing.Presence).
+    count = catalog.publish(store, registered.values())
     store.close()
     logging.getLogger("dex_tasks").info("catalog published", extra={"action": "catalog_published",
                                                                      "tools": count})
