@@ -96,6 +96,17 @@ def live_tools(client: redis.Redis) -> set[str]:
             for key in client.scan_iter(match=TOOL_ALIVE_KEY + "*", count=1000)}
 
 
+def announcements_complete(client: redis.Redis, heartbeat_seconds: float) -> bool:
+    """False while Redis has been up for less than a worker's announcement lasts: after a
+    restart that lost (or expired) the announcements, live workers have not all announced
+    themselves again yet, and a tool may look unserved when it is not."""
+    try:
+        uptime = float(client.info("server")["uptime_in_seconds"])
+    except (redis.ResponseError, KeyError, ValueError):
+        return True  # INFO refused (a managed Redis): rely on the announcements alone
+    return uptime >= presence_ttl(heartbeat_seconds)
+
+
 def held_tags(client: redis.Redis) -> set[str]:
     """Delivery tags of the messages that live workers hold."""
     held: set[str] = set()

@@ -145,9 +145,12 @@ def expire_unserved(rt: Runtime, now: float | None = None, limit: int = 500) -> 
     ``DEX_QUEUE_DEADLINE_SECONDS`` after its message was sent. Returns how many.
 
     A call whose tool some live worker serves is never ended here, however long it waits (a
-    backlog is not a missing worker). Redis unreachable: nothing is ended (it cannot tell).
+    backlog is not a missing worker). Redis unreachable, or restarted too recently for every
+    live worker to have announced itself again: nothing is ended (it cannot tell).
     """
     now = time.time() if now is None else now
+    if not routing.announcements_complete(rt.redis, rt.settings.worker_heartbeat_seconds):
+        return 0
     served = routing.live_tools(rt.redis)
     queued_since = func.coalesce(CALLS.c.published_at, CALLS.c.created_at)
     overdue = (CALLS.c.expires_at < now) | (

@@ -25,7 +25,7 @@ from dex_tasks import (
     registry,
 )
 from dex_tasks.execution import Runtime
-from dex_tasks.routing import queue_for
+from dex_tasks.routing import announcements_complete, queue_for
 from dex_tasks.sweeps import run_all
 from tests.conftest import StartWorker, fast_settings
 from tests.helpers import free_port, wait_until
@@ -144,6 +144,9 @@ def test_expired_call_whose_message_is_gone_is_ended_by_the_sweep(
                               arguments={"customer_id": "cu_1", "amount_cents": 1},
                               expires_in=60)
     rt.redis.flushdb()
+    # (a Redis that just started may not have every worker's announcement yet)
+    wait_until(lambda: announcements_complete(rt.redis, rt.settings.worker_heartbeat_seconds),
+               30, "Redis to have been up for one announcement's lifetime")
     # When the sweeps run after the republish window and after the expiry (no worker serves
     # the tool: the republisher leaves it, the queue-deadline sweep ends it)
     moved = run_all(rt, now=time.time() + 120)

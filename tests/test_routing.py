@@ -12,19 +12,21 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from dex_tasks import TOOL_DID_NOT_RUN, CallStatus, DexClient, DexSettings
 from dex_tasks.execution import Runtime
 from dex_tasks.routing import (
     TOOL_QUEUE_PREFIX,
     ServeSelectionError,
+    announcements_complete,
     live_tools,
     queue_for,
     select_tools,
 )
 from dex_tasks.sweeps import expire_unserved, republish_stranded
 from tests.conftest import StartWorker, fast_settings
-from tests.helpers import ROOT, dex_command, wait_until
+from tests.helpers import ROOT, RedisServer, dex_command, free_port, wait_until
 from workers import example_tools, ledger
 
 # The agent process knows the example tools locally; tests.runtime_tools come from the catalog.
@@ -78,6 +80,7 @@ def test_a_call_waits_for_a_worker_with_its_tool_and_ends_only_at_its_queue_dead
     reads = start_worker(concurrency=1, tools="workers.example_tools", extra_env={},
                          serve="lookup_order")
     wait_until(lambda: "lookup_order" in live_tools(rt.redis), 10, "the worker's heartbeat")
+    wait_until(lambda: announcements_complete(rt.redis, HEARTBEAT), 10, "Redis to be up 2 s")
     assert "charge_card" not in live_tools(rt.redis)
 
     # When an agent calls charge_card (no worker serves it), once with expires_in
@@ -139,6 +142,37 @@ def test_a_call_waits_for_a_worker_with_its_tool_and_ends_only_at_its_queue_dead
     assert (ended.error or "").startswith(
         TOOL_DID_NOT_RUN + ": no live worker serves the tool 'lookup_order', and the call "
         "waited past its queue deadline of 30s")
+
+
+def test_nothing_is_ended_until_a_restarted_redis_has_every_announcement_again(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    # Given a Redis that has just (re)started, so workers' announcements may be missing, and a
+    # call that has waited past its queue deadline for a tool nobody announces
+    server = RedisServer(free_port()).start()
+    started = time.monotonic()
+    try:
+        settings = fast_settings(f"{server.url}/0", sqlite_url, worker_heartbeat_seconds=1.0,
+                                 queue_deadline_seconds=30.0)
+        with DexClient(settings) as agent:
+            rt = Runtime(settings=settings, store=agent.store,
+                         redis=redis.Redis.from_url(settings.redis_url), app=agent.app)
+            record = agent.call_tool(session_id="s", turn_id="t", tool_call_id="c",
+                                     tool="charge_card",
+                                     arguments={"customer_id": "cu", "amount_cents": 1})
+            # When the sweep runs before Redis has been up for one announcement's lifetime (5 s)
+            ended_early = expire_unserved(rt, now=time.time() + 60)
+            assert time.monotonic() - started < 5, "too slow to see the first 5 s"
+            # Then it ends nothing: it cannot tell a missing worker from a missing announcement
+            assert ended_early == 0
+            assert agent.get_tool_call(record.key).status is CallStatus.QUEUED
+            # When Redis has been up long enough, it ends the call
+            wait_until(lambda: announcements_complete(rt.redis, 1.0), 10, "5 s of uptime")
+            assert expire_unserved(rt, now=time.time() + 60) == 1
+            assert agent.get_tool_call(record.key).status is CallStatus.FAILED
+            rt.redis.close()
+    finally:
+        server.cleanup()
 
 
 def test_queue_names_are_per_tool_safe_and_stable() -> None:

@@ -89,6 +89,8 @@ def test_hung_tools_in_every_slot_delay_no_deadline_and_no_reaping(
                "the lost call to be reaped")
     reaped_at = _moved_at(client, lost.key, CallStatus.RUNNING, CallStatus.QUEUED)
     assert lease_end <= reaped_at < lease_end + SLACK
+    print(f"\nrejected {rejected_at - deadline:.2f}s after its deadline, reaped "
+          f"{reaped_at - lease_end:.2f}s after its lease ended")
     # ...while every slot of the busy worker is still inside its hung tool
     assert _running(client, hung) == in_slots
     assert all(client.get_tool_call(r.key).status is CallStatus.QUEUED
