@@ -32,11 +32,14 @@ from dex_tasks.execution import (
     runtime,
 )
 from dex_tasks.routing import Presence
+from dex_tasks.states import CallStatus
 from dex_tasks.threadpool import Watchdog, Watched
 
 log = logging.getLogger("dex_tasks.hooks")
 
 _CALL_TASKS = frozenset({RUN_RETRYING, RUN_SINGLE_ATTEMPT})
+# How soon the threads pool's watchdog looks again at a call whose limit passed before it ran.
+RECHECK_SECONDS = 0.2
 
 
 class LeaseRenewer(threading.Thread):
@@ -127,13 +130,20 @@ def _watch_time_limits(app: Celery) -> None:
     """Keep each call's hard time limit on the threads pool (see ``threadpool.py``)."""
 
     def expired(entry: Watched) -> None:
+        rt = runtime(app)
         reason = (f"the tool was stopped by its hard time limit ({entry.limit}s); on the "
                   "threads pool its thread cannot be killed and was abandoned")
-        status = handle_lost_attempt(runtime(app), entry.key, entry.owner, reason,
-                                     republish=True)
+        status = handle_lost_attempt(rt, entry.key, entry.owner, reason, republish=True)
+        if status is None:
+            call = rt.store.get_call(entry.key)
+            if call is not None and call.status == CallStatus.QUEUED.value:
+                # The limit passed before this thread even claimed the call (a slow store):
+                # keep watching, so that a tool it starts now is still stopped.
+                watchdog.watch(entry.task_id, entry.key, entry.owner, RECHECK_SECONDS)
+            return
         log.warning("time limit passed, thread abandoned", extra={
             "action": "thread_abandoned", "key": entry.key, "owner": entry.owner,
-            "status": status.value if status else None})
+            "status": status.value})
 
     watchdog = Watchdog(expired)
     watchdog.start()

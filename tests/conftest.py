@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -144,6 +145,16 @@ def start_worker(env: dict[str, str], tmp_path: Path) -> Iterator[StartWorker]:
     yield start
     for worker in started:
         worker.discard()
+
+
+@pytest.fixture
+def beat(env: dict[str, str], tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A ``dex-tasks beat`` for this test (its log in ``tmp_path / "beat.log"``), SIGKILLed at
+    teardown."""
+    proc = start_process(["beat"], env, tmp_path / "beat.log")
+    yield proc
+    proc.kill()
+    proc.wait(10)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ workers and of other Celery apps on the same Redis must be left alone.
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from dex_tasks.execution import Runtime
 from dex_tasks.routing import held_tags, queue_for
 from dex_tasks.sweeps import restore_orphaned_messages
 from tests.conftest import StartWorker
-from tests.helpers import start_process, started_pid, wait_until
+from tests.helpers import started_pid, wait_until
 from workers import ledger
 
 TOOLS = "workers.example_tools,chaos.tools"
@@ -40,17 +41,8 @@ class TestWithDefaultSettings:
 
     def test_every_call_of_a_sigkilled_worker_is_terminal_or_running_again_within_60s(
         self, client: DexClient, start_worker: StartWorker, ledger_path: Path, rt: Runtime,
-        env: dict[str, str], tmp_path: Path,
+        beat: subprocess.Popen[bytes], tmp_path: Path,
     ) -> None:
-        beat = start_process(["beat"], env, tmp_path / "beat.log")
-        try:
-            self._run(client, start_worker, ledger_path, rt, tmp_path)
-        finally:
-            beat.kill()
-            beat.wait(10)
-
-    def _run(self, client: DexClient, start_worker: StartWorker, ledger_path: Path,
-             rt: Runtime, tmp_path: Path) -> None:
         doomed = start_worker(concurrency=2, tools=TOOLS)
 
         def call(call_id: str, tool: str, **arguments: object) -> ToolCallRecord:

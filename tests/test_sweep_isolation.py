@@ -8,15 +8,12 @@ on within a few seconds, by ``dex-tasks beat`` alone.
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from dex_tasks import CallStatus, DexClient, ToolCallRecord
 from dex_tasks.approvals import APPROVAL_DEADLINE_PASSED
 from tests.conftest import StartWorker
-from tests.helpers import start_process, started_pid, wait_until
+from tests.helpers import started_pid, wait_until
 from workers import example_tools
 
 assert example_tools.refund_payment.name == "refund_payment"
@@ -24,14 +21,6 @@ assert example_tools.refund_payment.name == "refund_payment"
 # Beat sweeps every 0.5 s here (conftest's fast settings); "a few seconds" leaves room for a
 # loaded 2-core machine.
 SLACK = 3.0
-
-
-@pytest.fixture
-def beat(env: dict[str, str], tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    proc = start_process(["beat"], env, tmp_path / "beat.log")
-    yield proc
-    proc.kill()
-    proc.wait(10)
 
 
 def _moved_at(client: DexClient, key: str, source: CallStatus, to: CallStatus) -> float:

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from dex_tasks import OUTCOME_UNKNOWN_TOOL_RESULT, CallStatus, DexClient, ToolCallRecord
 from tests.conftest import StartWorker
-from tests.helpers import WorkerProcess, start_process, wait_until
+from tests.helpers import WorkerProcess, wait_until
 from workers import example_tools, ledger
 
 assert example_tools.lookup_order.name == "lookup_order"
@@ -38,14 +35,6 @@ def _rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise AssertionError(f"no VmRSS for {pid}")
-
-
-@pytest.fixture
-def beat(env: dict[str, str], tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    proc = start_process(["beat"], env, tmp_path / "beat.log")
-    yield proc
-    proc.kill()
-    proc.wait(10)
 
 
 def test_two_hundred_one_second_calls_run_at_once_on_200_threads(
