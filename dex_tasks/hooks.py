@@ -95,6 +95,13 @@ def install(app: Celery, tools: Iterable[str] = (), *, pool: str = "prefork",
         settings = runtime(app).settings
         _presence = Presence(settings.redis_url, str(getattr(sender, "hostname", "?")), served,
                              pool, concurrency, settings.worker_heartbeat_seconds)
+        try:
+            # Announced before the worker says it is ready: from then on its tools count as
+            # served (the republisher and the queue deadline look at that).
+            _presence.beat_once()
+        except Exception as err:  # noqa: BLE001 - Redis down: the thread keeps trying
+            log.warning("first worker heartbeat failed: %s", err,
+                        extra={"action": "heartbeat_error"})
         _presence.start()
         log.info("worker ready", extra={"action": "worker_ready", "pool": pool,
                                         "tools": len(served)})
