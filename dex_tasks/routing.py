@@ -10,8 +10,9 @@ Each worker's main process announces itself in Redis every ``DEX_WORKER_HEARTBEA
 (:class:`Presence`): the tools it serves, and the delivery tags of the messages it holds
 (reserved, running, or waiting out a retry's countdown). Both keys expire after
 :data:`MISSED_BEATS` missed beats, so Redis alone tells which tools have a live worker and
-which held messages belong to a worker that is gone (see ``redelivery.py``). Redis's own
-clock runs those expiries: the machines' clocks never need to agree.
+which held messages belong to a worker that is gone (``sweeps.expire_unserved`` and
+``sweeps.restore_orphaned_messages`` act on them). Redis's own clock runs those expiries: the
+machines' clocks never need to agree.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from collections.abc import Iterable
 import redis
 from celery import Celery
 from celery.worker import state as worker_state
+
+from dex_tasks.errors import ConfigurationError
 
 log = logging.getLogger("dex_tasks.routing")
 
@@ -57,7 +60,7 @@ def queue_for(tool: str) -> str:
     return f"{TOOL_QUEUE_PREFIX}{readable}-{digest}"
 
 
-class ServeSelectionError(ValueError):
+class ServeSelectionError(ConfigurationError):
     """A ``--serve`` pattern names no imported tool (the message names it and the choices)."""
 
 
