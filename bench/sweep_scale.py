@@ -37,6 +37,7 @@ from sqlalchemy import Table as SATable
 from sqlalchemy import text
 
 from bench.infra import (
+    READ_TOOL,
     BenchError,
     RedisServer,
     fresh_store,
@@ -48,6 +49,7 @@ from bench.targets import check, print_targets
 from dex_tasks import DexSettings
 from dex_tasks.celery_app import create_app
 from dex_tasks.execution import Runtime
+from dex_tasks.routing import TOOL_ALIVE_KEY
 from dex_tasks.store import CALLS, INTERRUPTS, Store
 from dex_tasks.sweeps import JOBS
 
@@ -133,7 +135,7 @@ def call_rows(job: str, scale: int, overdue: int, repeats: int,
         session = f"{prefix}{i // 10}"
         row: dict[str, Any] = {
             "key": f"{session}/t0/c{i}", "session_id": session, "turn_id": "t0",
-            "tool_call_id": f"c{i}", "tool": "bench_noop_read", "arguments": "{}",
+            "tool_call_id": f"c{i}", "tool": READ_TOOL, "arguments": "{}",
             "effect": "read", "requires_approval": False, "max_attempts": 3,
             "status": POPULATION[job], "attempts": 0, "created_at": t0 - 3600,
             "updated_at": t0 - 3600,
@@ -295,6 +297,9 @@ def run_sweeps(
                         app = create_app(settings)
                         rt = Runtime(settings=settings, store=store,
                                      redis=redis.Redis.from_url(settings.redis_url), app=app)
+                        # The republisher sends only calls whose tool a live worker serves:
+                        # stand in for a worker's announcement (no worker consumes here).
+                        rt.redis.set(TOOL_ALIVE_KEY + READ_TOOL, "bench", ex=24 * 3600)
                         try:
                             timings += run_scale(rt, kind, scale, jobs, overdue, repeats,
                                                  progress, bar)

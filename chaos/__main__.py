@@ -28,6 +28,9 @@ def parse(argv: list[str] | None = None) -> tuple[Config, Path | None]:
     p.add_argument("--calls", type=int, default=2000, help="calls to make (default 2000)")
     p.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
     p.add_argument("--concurrency", type=int, default=2, help="children per worker (default 2)")
+    p.add_argument("--same-workers", action="store_true",
+                   help="every worker prefork serving every tool (default: a mix of pools "
+                        "and tool sets, see chaos.harness.worker_specs)")
     p.add_argument("--duration", type=float, default=60.0,
                    help="seconds over which the calls and faults are spread (default 60)")
     p.add_argument("--child-kills", type=int, help="SIGKILLs of busy children (default: one "
@@ -54,7 +57,8 @@ def parse(argv: list[str] | None = None) -> tuple[Config, Path | None]:
         p.error("--calls, --workers, --concurrency and --duration must be positive")
     console = Console(stderr=True)
     config = Config(
-        calls=a.calls, workers=a.workers, concurrency=a.concurrency, duration=a.duration,
+        calls=a.calls, workers=a.workers, concurrency=a.concurrency, mixed=not a.same_workers,
+        duration=a.duration,
         child_kills=a.child_kills, worker_kills=a.worker_kills, beat_restarts=a.beat_restarts,
         redis_restarts=a.redis_restarts, redis_outage=a.redis_outage,
         database_url=a.database_url, settle_timeout=a.settle_timeout, lease_seconds=a.lease,

@@ -67,11 +67,13 @@ class LedgerTail:
 
 
 def owner_pid(worker: str | None) -> int | None:
-    """The child PID in a call's owner (``<worker node>:<child pid>``)."""
-    if not worker or ":" not in worker:
+    """The PID in a call's owner: ``<node>:<child pid>`` on prefork, ``<node>:<pid>:<thread>``
+    on the threads pool (the worker's own process)."""
+    parts = (worker or "").split(":")
+    if len(parts) < 2:
         return None
     try:
-        return int(worker.rsplit(":", 1)[1])
+        return int(parts[1])
     except ValueError:
         return None
 
@@ -183,11 +185,12 @@ class Faults:
             for kid in kids:
                 signal_quietly(kid, signal.SIGSTOP)
             time.sleep(self.freeze_pause)
-            _, in_tool = self._owned(set(kids))
+            # A threads worker runs its calls in its own process, a prefork one in children.
+            _, in_tool = self._owned({worker.pid, *kids})
             if in_tool:
                 pids = worker.kill_all(kids)
                 self.kills.append(Kill(time.time(), "worker", tuple(pids)))
-                self.cluster.start_worker()
+                self.cluster.start_worker(worker.spec)
                 return True
             for pid in [worker.pid, *kids]:
                 signal_quietly(pid, signal.SIGCONT)

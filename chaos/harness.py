@@ -2,7 +2,11 @@
 
 1. Start a private redis-server (AOF on, ``appendfsync everysec``), a store (SQLite in the
    run's directory, or a fresh PostgreSQL database), ``workers`` ``dex-tasks worker``
-   processes (``workers.example_tools`` and ``chaos.tools``) and ``dex-tasks beat``.
+   processes (``workers.example_tools`` and ``chaos.tools``) and ``dex-tasks beat``. With
+   ``mixed`` (the default) the workers are not alike: the first is prefork serving every tool,
+   the second a threads-pool worker serving only the I/O-bound tools, the third a prefork
+   worker serving another subset (:func:`worker_specs`), so calls must be routed to a worker
+   that has their tool.
 2. Drive the mixed load of ``chaos.load`` while ``chaos.faults`` kills processes and crashes
    Redis on a schedule.
 3. Wait (bounded) until every call has ended, stop everything, and check the run with
@@ -33,13 +37,26 @@ from sqlalchemy.engine import make_url
 from chaos.checks import Tally, ToolMessage, Verdict, check_run
 from chaos.faults import AOF_MARKER, Faults
 from chaos.load import ACTIVE, Driver, plan
-from chaos.procs import Cluster, wait_for
+from chaos.procs import Cluster, WorkerSpec, wait_for
 from dex_tasks import CallStatus, DexSettings, MessageRole
 from dex_tasks.models import ToolCallRow
 from dex_tasks.store import CALLS, EVENTS, MESSAGES, Store
 from workers import ledger
 
 TOOLS = "workers.example_tools,chaos.tools"
+# The tools of the load (chaos.load.MIX) that wait on I/O, and the ones that write money.
+IO_TOOLS = "lookup_order,flaky_read,update_address"
+PAYMENT_TOOLS = "charge_card,refund_payment,lookup_order"
+THREADS = 8
+
+
+def worker_specs(concurrency: int, mixed: bool) -> list[WorkerSpec]:
+    """The workers of a run, taken in turn: all alike, or a mix of pools and tool sets."""
+    every = WorkerSpec("prefork", concurrency)
+    if not mixed:
+        return [every]
+    return [every, WorkerSpec("threads", THREADS, IO_TOOLS),
+            WorkerSpec("prefork", concurrency, PAYMENT_TOOLS)]
 
 
 @dataclass
@@ -49,6 +66,7 @@ class Config:
     calls: int = 2000
     workers: int = 3
     concurrency: int = 2
+    mixed: bool = True
     duration: float = 60.0
     child_kills: int | None = None
     worker_kills: int | None = None
@@ -103,7 +121,8 @@ class Harness:
         self.workdir = config.workdir or Path(tempfile.mkdtemp(prefix="dex-chaos-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ledger_path = self.workdir / "ledger.jsonl"
-        self.cluster = Cluster(self.workdir, TOOLS, config.concurrency)
+        self.cluster = Cluster(self.workdir, TOOLS,
+                               worker_specs(config.concurrency, config.mixed))
         self.tally = Tally()
         self.stop = threading.Event()
         self.created_db: tuple[str, str] | None = None
@@ -207,6 +226,9 @@ class Harness:
         logging.getLogger().addHandler(handler)
         try:
             self.say(f"starting redis, {self.config.workers} workers and beat in {self.workdir}")
+            for i in range(self.config.workers):
+                spec = self.cluster.specs[i % len(self.cluster.specs)]
+                self.say(f"  worker {i + 1}: {spec.describe()}")
             self._set_up()
             self.timings["start"] = time.monotonic() - t0
             self._load()

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -81,12 +82,31 @@ class RedisProcess:
         self.proc = None
 
 
+@dataclass(frozen=True)
+class WorkerSpec:
+    """How one worker of the cluster runs: its pool, its slots, the tools it serves."""
+
+    pool: str = "prefork"
+    concurrency: int = 2
+    serve: str | None = None  # comma-separated tool names; None: every imported tool
+
+    def args(self, tools: str) -> list[str]:
+        """The ``dex-tasks worker`` arguments of this spec."""
+        return ["worker", "--tools", tools, "-c", str(self.concurrency), "--pool", self.pool,
+                *(["--serve", self.serve] if self.serve else []), "--loglevel", "INFO"]
+
+    def describe(self) -> str:
+        return f"{self.pool} -c {self.concurrency} serving {self.serve or 'every tool'}"
+
+
 class DexProcess:
     """A ``dex-tasks worker`` or ``dex-tasks beat`` subprocess, its output in a log file."""
 
-    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path,
+                 spec: WorkerSpec | None = None) -> None:
         self.args = args
         self.log_path = log_path
+        self.spec = spec
         self._ready = False
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -150,24 +170,30 @@ class DexProcess:
 
 
 class Cluster:
-    """Everything a run starts: Redis, workers and beat, all writing logs to ``workdir``."""
+    """Everything a run starts: Redis, workers and beat, all writing logs to ``workdir``.
 
-    def __init__(self, workdir: Path, tools: str, concurrency: int) -> None:
+    Workers take the ``specs`` in turn (the first worker the first spec, and so on, cycling),
+    so a run can mix pools and tool sets; a replacement takes the spec of the worker it
+    replaces.
+    """
+
+    def __init__(self, workdir: Path, tools: str, specs: list[WorkerSpec]) -> None:
         self.workdir = workdir
         self.tools = tools
-        self.concurrency = concurrency
+        self.specs = specs
         self.redis = RedisProcess(workdir / "redis")
         self.workers: list[DexProcess] = []
         self.beat: DexProcess | None = None
         self.env: dict[str, str] = {}
         self.started = 0
 
-    def start_worker(self) -> DexProcess:
-        """Start one more worker (it takes a few seconds to become ready)."""
+    def start_worker(self, spec: WorkerSpec | None = None) -> DexProcess:
+        """Start one more worker, with ``spec`` or the next spec in turn (it takes a few
+        seconds to become ready)."""
+        spec = spec or self.specs[len(self.workers) % len(self.specs)]
         self.started += 1
-        worker = DexProcess(["worker", "--tools", self.tools, "-c", str(self.concurrency),
-                             "--loglevel", "INFO"],
-                            self.env, self.workdir / f"worker-{self.started}.log")
+        worker = DexProcess(spec.args(self.tools), self.env,
+                            self.workdir / f"worker-{self.started}.log", spec)
         self.workers.append(worker)
         return worker
 

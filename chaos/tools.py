@@ -94,3 +94,26 @@ def cpu_work(ctx: ToolContext, cpu_seconds: float) -> dict[str, object]:
         for i in range(10_000):
             x ^= i
     return {"wall": round(time.monotonic() - started, 3), "cpu": cpu_seconds}
+
+
+@tool(effect="read", max_attempts=3)
+def slow_retry_read(ctx: ToolContext, order_id: str, retry_after: float = 20.0
+                    ) -> dict[str, object]:
+    """A read whose first attempt asks to be retried ``retry_after`` seconds later (a worker
+    holds that retry's message, waiting out its countdown)."""
+    ledger.record("slow_retry_read", ctx.idempotency_key, ctx.attempt)
+    if ctx.attempt == 1:
+        raise TransientToolError("the order service asks to come back later",
+                                 retry_after=retry_after)
+    return {"order_id": order_id, "attempt": ctx.attempt}
+
+
+@tool(effect="read", max_attempts=2, time_limit=2.0)
+def overrunning_read(ctx: ToolContext, order_id: str, first: float = 3.0,
+                     later: float = 1.5) -> dict[str, object]:
+    """A read with a 2 s limit whose first attempt takes ``first`` seconds and later ones
+    ``later``: on the threads pool, the abandoned first attempt returns while the second runs."""
+    ledger.record("overrunning_read", ctx.idempotency_key, ctx.attempt, phase="start")
+    time.sleep(first if ctx.attempt == 1 else later)
+    ledger.record("overrunning_read", ctx.idempotency_key, ctx.attempt, phase="end")
+    return {"order_id": order_id, "attempt": ctx.attempt}

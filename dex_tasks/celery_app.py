@@ -7,26 +7,29 @@ sweeps) but runs nothing. The worker registers the task kinds on its own app whe
 The message of a call carries its idempotency key and nothing else: the store holds the
 arguments, the policy snapshot and the status, so a message can be republished at any time and
 a stale or duplicate one can do no harm.
+
+Each call goes to its tool's queue (``routing.queue_for``); a worker consumes the queues of the
+tools it serves. The one periodic job that needs tool code (``reconcile_unknown``, the tools'
+own checkers) goes to the workers on a queue of its own; beat runs every other sweep itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
 from celery import Celery
-from kombu.entity import Queue
+from kombu.entity import Exchange, Queue
 
 from dex_tasks.models import ToolCallRow
 from dex_tasks.policy import EffectClass
 from dex_tasks.redis_clients import broker_options
+from dex_tasks.routing import queue_for
 from dex_tasks.settings import DexSettings
 
-RETRYING_QUEUE = "dex.retrying"
-SINGLE_ATTEMPT_QUEUE = "dex.single_attempt"
-# Sweeps get a queue of their own so a backlog of tool calls never delays reaping lost work.
-SWEEPS_QUEUE = "dex.sweeps"
-ALL_QUEUES = (RETRYING_QUEUE, SINGLE_ATTEMPT_QUEUE, SWEEPS_QUEUE)
+# The workers' sweep job (reconcile_unknown), on a queue every worker consumes.
+RECONCILE_QUEUE = "dex.reconcile"
 RUN_RETRYING = "dex.call_tool"
 RUN_SINGLE_ATTEMPT = "dex.call_single_attempt_tool"
 SWEEP = "dex.sweep"
@@ -59,16 +62,18 @@ def create_app(settings: DexSettings, *, publisher: bool = False) -> Celery:
         result_backend=None,
         task_ignore_result=True,
         task_store_errors_even_if_ignored=False,
-        task_default_queue=RETRYING_QUEUE,
-        task_queues=[Queue(name) for name in ALL_QUEUES],  # type: ignore[no-untyped-call]
-        task_routes={
-            RUN_RETRYING: {"queue": RETRYING_QUEUE},
-            RUN_SINGLE_ATTEMPT: {"queue": SINGLE_ATTEMPT_QUEUE},
-            SWEEP: {"queue": SWEEPS_QUEUE},
-        },
-        # One message at a time per child: a prefetched message is one a dying worker takes
-        # with it, and one the visibility timeout may hand to a second worker.
+        # Calls name their tool's queue when published (publish()); nothing else is sent but
+        # the reconcile job. A worker's own list of queues is set where it is built
+        # (main_process.worker_app).
+        task_default_queue=RECONCILE_QUEUE,
+        task_queues=[_queue(RECONCILE_QUEUE)],
+        task_routes={SWEEP: {"queue": RECONCILE_QUEUE}},
+        # A worker takes a message only when a pool slot is free (Redis only, Celery 5.6+).
+        # A message it had fetched ahead would wait behind its busy (or hung) slots while
+        # other workers idle, and would go down with it if it died: SIGKILL runs no hook, so
+        # only the visibility timeout (an hour) would hand it back.
         worker_prefetch_multiplier=1,
+        worker_disable_prefetch=True,
         broker_transport_options=transport,
         broker_connection_retry_on_startup=True,
         # Workers keep reconnecting through a long Redis outage instead of exiting after
@@ -97,6 +102,25 @@ def create_app(settings: DexSettings, *, publisher: bool = False) -> Celery:
     return app
 
 
+def consume_queues(app: Celery, tools: Iterable[str]) -> list[str]:
+    """Make ``app`` (a worker's) consume the queues of ``tools`` and the reconcile queue.
+
+    Set here rather than with ``-Q``, which splits on commas (a tool name may hold one).
+    Returns the queue names.
+    """
+    names = [*sorted({queue_for(name) for name in tools}), RECONCILE_QUEUE]
+    app.conf.task_queues = [_queue(name) for name in names]
+    return names
+
+
+def _queue(name: str) -> Queue:
+    # Bound to an exchange of its own name with its name as the key, as the publisher's
+    # send_task(queue=name) declares it. A bare Queue(name) would be bound to the default
+    # exchange (dex.reconcile) with the default key: every message sent there (beat's
+    # reconcile job) would then be copied into every tool queue as well.
+    return Queue(name, Exchange(name, type="direct"), routing_key=name)  # type: ignore[no-untyped-call]
+
+
 def task_name_for(effect: EffectClass) -> str:
     """The task kind that runs calls of this effect class."""
     return RUN_RETRYING if effect.retrying else RUN_SINGLE_ATTEMPT
@@ -113,7 +137,7 @@ def publish(app: Celery, call: ToolCallRow, *, countdown: float | None = None) -
     effect = EffectClass(call.effect)
     name = task_name_for(effect)
     options: dict[str, Any] = {
-        "queue": RETRYING_QUEUE if effect.retrying else SINGLE_ATTEMPT_QUEUE,
+        "queue": queue_for(call.tool),
         "retry": True,
         "retry_policy": {
             "max_retries": 1,

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 
 from dex_tasks import catalog
-from dex_tasks.celery_app import ALL_QUEUES, create_app
+from dex_tasks.celery_app import create_app
 from dex_tasks.errors import ConfigurationError, DexError
 from dex_tasks.logs import FORMATS, setup_process_logging
 from dex_tasks.registry import local_tools
@@ -90,41 +90,73 @@ def positive_seconds(value: float) -> float:
     return value
 
 
+POOLS = ("prefork", "threads")
+
+
 @app.command()
 def worker(
     tools: str | None = typer.Option(
         None, "--tools", help="Tool modules to import, comma-separated (default: DEX_TOOLS).",
         show_default=False),
-    concurrency: int = typer.Option(2, "-c", "--concurrency", min=1, help="Worker processes."),
+    serve: str | None = typer.Option(
+        None, "--serve",
+        help="Serve only these tools (names or patterns such as 'http_*', comma-separated; "
+             "default: every tool the modules define). Calls of a tool go only to workers "
+             "that serve it.",
+    ),
+    concurrency: int = typer.Option(2, "-c", "--concurrency", min=1,
+                                    help="Worker processes (prefork) or threads (threads)."),
+    pool: str = typer.Option(
+        "prefork", "-P", "--pool",
+        help="prefork: a process per call, time limits kill the tool (CPU-bound tools). "
+             "threads: many I/O-bound calls per process; a thread cannot be killed, so a call "
+             "past its time limit is ended and its thread abandoned.",
+        callback=lambda value: check_pool(value),
+    ),
     loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
     log_format: str = LOG_FORMAT_OPTION,
 ) -> None:
-    """Run a prefork Celery worker for the tools in MODULE[,MODULE]."""
+    """Run a Celery worker for the tools in MODULE[,MODULE], consuming their queues."""
+    from dex_tasks.routing import ServeSelectionError, select_tools
+
     settings = DexSettings()
     setup_process_logging(log_format, loglevel, _secret_or_none(settings),
                           celery=True)
     import_tool_modules(tool_modules(tools, settings, required=True))
+    registered = local_tools()
+    try:
+        served = select_tools(registered, serve)
+    except ServeSelectionError as err:
+        raise typer.BadParameter(str(err), param_hint="--serve") from None
     store = Store(settings.database_url)
     store.create_all()
-    count = catalog.publish(store, local_tools().values())
+    # Every imported tool's definition (policy, schema) is published, served here or not:
+    # which tools have a live worker is a separate, expiring record (routing.Presence).
+    count = catalog.publish(store, registered.values())
     store.close()
     logging.getLogger("dex_tasks").info("catalog published", extra={"action": "catalog_published",
                                                                      "tools": count})
     from dex_tasks.main_process import worker_app
 
-    celery = worker_app(settings)
+    celery = worker_app(settings, served, pool=pool, concurrency=concurrency)
     celery.worker_main([
         # JSON logs: no banner, so every line a collector reads is one JSON object.
         *(["--quiet"] if log_format == "json" else []),
         "worker",
-        "-Q", ",".join(ALL_QUEUES),
         "-c", str(concurrency),
-        "-P", "prefork",
-        # A unique node name per process: leases are owned by "<node>:<child pid>".
+        "-P", pool,
+        # A unique node name per process: leases are owned by "<node>:<pid>[:<thread>]".
         "-n", f"dex-{os.getpid()}@%h",
         "--loglevel", loglevel,
         "--without-gossip", "--without-mingle",
     ])
+
+
+def check_pool(value: str) -> str:
+    """Refuse an unknown --pool with a message that names the choices."""
+    if value not in POOLS:
+        raise typer.BadParameter(f"must be one of {', '.join(POOLS)}, got {value!r}")
+    return value
 
 
 @app.command()
@@ -132,14 +164,19 @@ def beat(
     loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
     log_format: str = LOG_FORMAT_OPTION,
 ) -> None:
-    """Run Celery beat with the schedule from beat_schedule.py."""
+    """Run Celery beat with the schedule from beat_schedule.py; it runs the sweeps itself."""
     import beat_schedule
 
     settings = DexSettings()
     setup_process_logging(log_format, loglevel, _secret_or_none(settings),
                           celery=True)
+    store = Store(settings.database_url)
+    store.create_all()
+    store.close()
     celery = create_app(settings)
     celery.conf.beat_schedule = beat_schedule.build(settings)
+    # Runs the sweeps in this process (see dex_tasks/beat.py); only reconcile_unknown is sent.
+    celery.conf.beat_scheduler = "dex_tasks.beat:SweepScheduler"
     # The lock keeps this schedule file ours while beat runs: held open until the process ends.
     state, _lock = beat_schedule.schedule_file(settings.state_dir)
     quiet = ["--quiet"] if log_format == "json" else []

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -58,20 +59,26 @@ class Runtime:
 
 
 _runtime: Runtime | None = None
+# The threads pool (and beat's sweep threads) may ask for the runtime from many threads at once.
+_runtime_lock = threading.Lock()
 
 
 def runtime(app: Celery) -> Runtime:
     """This process's runtime, created on first use."""
     global _runtime
-    if _runtime is None or _runtime.app is not app:
-        settings: DexSettings = app.dex_settings  # type: ignore[attr-defined]
-        _runtime = Runtime(
-            settings=settings,
-            store=Store(settings.database_url),
-            redis=redis_client(settings, socket_timeout=10),
-            app=app,
-        )
-    return _runtime
+    current = _runtime
+    if current is not None and current.app is app:
+        return current
+    with _runtime_lock:
+        if _runtime is None or _runtime.app is not app:
+            settings: DexSettings = app.dex_settings  # type: ignore[attr-defined]
+            _runtime = Runtime(
+                settings=settings,
+                store=Store(settings.database_url),
+                redis=redis_client(settings, socket_timeout=10),
+                app=app,
+            )
+        return _runtime
 
 
 def reset_runtime() -> None:
@@ -89,6 +96,20 @@ def reset_runtime() -> None:
 def owner_id(hostname: str | None, pid: int | None) -> str:
     """How a running call names the process that runs it: ``<worker node>:<child pid>``."""
     return f"{hostname}:{pid}"
+
+
+def current_owner(hostname: str | None) -> str:
+    """The owner id of the attempt this thread runs.
+
+    ``<node>:<pid>`` in a process that runs one call at a time (a prefork child), and
+    ``<node>:<pid>:<thread id>`` in a pool thread: the threads of one process must never share
+    an owner id, or a thread abandoned at its time limit could still finish the attempt that
+    another thread of the same worker runs now.
+    """
+    owner = owner_id(hostname, os.getpid())
+    if threading.current_thread() is threading.main_thread():
+        return owner
+    return f"{owner}:{threading.get_native_id()}"
 
 
 # -- ending calls -------------------------------------------------------------------------------
@@ -316,7 +337,7 @@ def run_retrying(task: Task, key: str) -> None:
     if call.attempts >= call.max_attempts:
         report(task, call, _exhausted_before_claim(rt, call))
         return
-    owner = owner_id(task.request.hostname, os.getpid())
+    owner = current_owner(task.request.hostname)
     attempt = _claim(rt, call, owner)
     if attempt is None:
         raise ignored(task, key, _RACED)
@@ -403,7 +424,7 @@ def run_single_attempt(task: Task, key: str) -> None:
     if prepared is None:
         raise ignored(task, key, _DUPLICATE)
     call, tool, arguments = prepared
-    owner = owner_id(task.request.hostname, os.getpid())
+    owner = current_owner(task.request.hostname)
     if not claims.try_claim(rt.redis, key, owner, rt.settings.claim_ttl_seconds):
         log.info("claim taken, duplicate ignored", extra={"action": "duplicate_delivery",
                                                           "key": key})

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,13 @@ from celery.worker.consumer import Consumer
 from celery.worker.request import Request
 
 from dex_tasks import hooks
-from dex_tasks.celery_app import RUN_RETRYING, RUN_SINGLE_ATTEMPT, SWEEP, create_app
+from dex_tasks.celery_app import (
+    RUN_RETRYING,
+    RUN_SINGLE_ATTEMPT,
+    SWEEP,
+    consume_queues,
+    create_app,
+)
 from dex_tasks.errors import CallFailure
 from dex_tasks.execution import (
     handle_lost_attempt,
@@ -224,10 +231,14 @@ def register_tasks(app: Celery) -> None:
         return run_job(runtime(self.app), job)
 
 
-def worker_app(settings: DexSettings) -> Celery:
+def worker_app(settings: DexSettings, tools: Iterable[str] = (), *, pool: str = "prefork",
+               concurrency: int = 1) -> Celery:
     """The app a ``dex-tasks worker`` runs: the shared configuration, the task kinds and the
-    sweep task registered, and the signal handlers of ``hooks.py`` connected."""
+    sweep task registered, the queues of ``tools`` consumed, and the signal handlers of
+    ``hooks.py`` connected (announcing ``tools`` as served by this worker)."""
     app = create_app(settings)
+    served = sorted(tools)
+    consume_queues(app, served)
     register_tasks(app)
-    hooks.install(app)
+    hooks.install(app, served, pool=pool, concurrency=concurrency)
     return app

@@ -106,6 +106,16 @@ class DexSettings(BaseSettings):
         description="Where beat keeps its schedule file (default: "
         "$XDG_STATE_HOME/dex-tasks, else ~/.local/state/dex-tasks).",
     )
+    queue_deadline_seconds: float = Field(
+        default=300.0, gt=0,
+        description="A queued call whose tool no live worker serves ends 'did not run' after "
+        "waiting this long (its expires_in instead, when the call gave one).",
+    )
+    worker_heartbeat_seconds: float = Field(
+        default=2.0, gt=0,
+        description="How often a worker announces its tools and held messages in Redis; "
+        "after 5 missed beats it counts as gone.",
+    )
 
     def signing_key(self) -> str:
         """The token-signing secret; :class:`ConfigurationError` when it is not set."""

@@ -12,13 +12,17 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from dex_tasks import approvals, claims, transcript
+from sqlalchemy import func, select
+
+from dex_tasks import approvals, claims, routing, transcript
 from dex_tasks.celery_app import publish
 from dex_tasks.errors import StoreUnavailableError
 from dex_tasks.execution import Runtime, did_not_run, handle_lost_attempt
 from dex_tasks.models import ToolCallRow
 from dex_tasks.policy import EffectClass
 from dex_tasks.reconcile import reconcile_with_reconcilers
+from dex_tasks.states import CallStatus
+from dex_tasks.store import CALLS, readable_calls
 
 log = logging.getLogger("dex_tasks.sweeps")
 
@@ -74,11 +78,24 @@ def republish_stranded(rt: Runtime, now: float | None = None) -> int:
     """
     now = time.time() if now is None else now
     window = rt.settings.republish_after_seconds
+    served = _served_or_none(rt)
     acted = 0
     for call in rt.store.stranded_queued(now - window):
+        if served is not None and call.tool not in served:
+            # No live worker consumes its queue: a copy would only wait beside the first, and
+            # the call ends at its queue deadline (expire_unserved) unless a worker comes.
+            continue
         with _one_row("republish_stranded", call.key):
             acted += _republish_one(rt, call, now, window)
     return acted
+
+
+def _served_or_none(rt: Runtime) -> set[str] | None:
+    """The tools live workers serve; None when Redis cannot tell (then nobody is skipped)."""
+    try:
+        return routing.live_tools(rt.redis)
+    except Exception:  # noqa: BLE001 - Redis down: the publish fails too, and is retried
+        return None
 
 
 def _republish_one(rt: Runtime, call: ToolCallRow, now: float, window: float) -> int:
@@ -107,6 +124,55 @@ def _republish_one(rt: Runtime, call: ToolCallRow, now: float, window: float) ->
     return 1
 
 
+def restore_orphaned_messages(rt: Runtime, now: float | None = None) -> int:
+    """Put back on their queues the messages a vanished worker held; returns how many.
+
+    A worker SIGKILLed as a whole leaves the messages it had received and not finished in
+    kombu's ``unacked`` hash (reserved, running late-acked, waiting out a retry's countdown),
+    where only the visibility timeout (an hour) would hand them back. Live workers list the
+    messages they hold every beat (``routing.Presence``); a message unacked for longer than a
+    worker's announcement lasts, and held by nobody, is restored (``routing.restore_orphans``).
+    """
+    now = time.time() if now is None else now
+    ttl = routing.presence_ttl(rt.settings.worker_heartbeat_seconds)
+    held = routing.held_tags(rt.redis)
+    return routing.restore_orphans(rt.app, held, received_before=now - ttl)
+
+
+def expire_unserved(rt: Runtime, now: float | None = None, limit: int = 500) -> int:
+    """End "did not run" the queued calls whose tool no live worker serves, once their queue
+    deadline passed: ``expires_at`` when the call gave ``expires_in``, else
+    ``DEX_QUEUE_DEADLINE_SECONDS`` after its message was sent. Returns how many.
+
+    A call whose tool some live worker serves is never ended here, however long it waits (a
+    backlog is not a missing worker). Redis unreachable, or restarted too recently for every
+    live worker to have announced itself again: nothing is ended (it cannot tell).
+    """
+    now = time.time() if now is None else now
+    if not routing.announcements_complete(rt.redis, rt.settings.worker_heartbeat_seconds):
+        return 0
+    served = routing.live_tools(rt.redis)
+    queued_since = func.coalesce(CALLS.c.published_at, CALLS.c.created_at)
+    overdue = (CALLS.c.expires_at < now) | (
+        CALLS.c.expires_at.is_(None) & (queued_since < now - rt.settings.queue_deadline_seconds))
+    stmt = select(CALLS).where(CALLS.c.status == CallStatus.QUEUED.value, overdue)
+    if served:
+        stmt = stmt.where(CALLS.c.tool.not_in(sorted(served)))
+    with rt.store.read() as conn:
+        calls = readable_calls(conn.execute(stmt.limit(limit)).mappings().all())
+    ended = 0
+    for call in calls:
+        if call.expires_at is not None:
+            why = (f"it expired in the queue before a worker started it (no live worker "
+                   f"serves the tool {call.tool!r})")
+        else:
+            why = (f"no live worker serves the tool {call.tool!r}, and the call waited past "
+                   f"its queue deadline of {rt.settings.queue_deadline_seconds:g}s")
+        with _one_row("expire_unserved", call.key):
+            ended += did_not_run(rt.store, call, why)
+    return ended
+
+
 def expire_approvals(rt: Runtime, now: float | None = None) -> int:
     """Reject calls whose approval deadline passed undecided; returns how many."""
     return approvals.expire_overdue(rt.store, now)
@@ -122,7 +188,10 @@ def reconcile_unknown(rt: Runtime, now: float | None = None) -> int:
     """Run the registered checkers (``@tool.reconciler``) of the tools imported here for
     ``outcome_unknown`` calls not reported yet; returns how many reports it sent.
 
-    Runs in a worker (beat sends it as a task), where the tool modules are imported.
+    The one job that runs tool code (the checkers): beat sends it to the workers, where the
+    tool modules are imported, on a queue of its own (``celery_app.RECONCILE_QUEUE``), so it
+    is sandboxed like a tool and no checker can stall the other sweeps. It may wait for a
+    free slot; nothing it does has a deadline (its calls are terminal already).
     """
     return len(reconcile_with_reconcilers(rt.store, None, now).reported)
 
@@ -132,6 +201,8 @@ JOBS: dict[str, Callable[..., int]] = {
     "deliver_messages": deliver_messages,
     "reap_expired_leases": reap_expired_leases,
     "republish_stranded": republish_stranded,
+    "restore_orphaned_messages": restore_orphaned_messages,
+    "expire_unserved": expire_unserved,
     "reconcile_unknown": reconcile_unknown,
 }
 

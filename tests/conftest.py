@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -139,9 +140,11 @@ def start_worker(env: dict[str, str], tmp_path: Path) -> Iterator[StartWorker]:
     counter = itertools.count()
 
     def start(concurrency: int = 2, tools: str = "workers.example_tools",
-              extra_env: dict[str, str] | None = None, wait: bool = True) -> WorkerProcess:
+              extra_env: dict[str, str] | None = None, wait: bool = True,
+              serve: str | None = None, pool: str | None = None) -> WorkerProcess:
         log_path = tmp_path / f"worker-{next(counter)}.log"
-        proc = start_process(["worker", "--tools", tools, "-c", str(concurrency)],
+        options = [*(["--serve", serve] if serve else []), *(["--pool", pool] if pool else [])]
+        proc = start_process(["worker", "--tools", tools, "-c", str(concurrency), *options],
                              {**env, **(extra_env or {})}, log_path)
         worker = WorkerProcess(proc, log_path)
         started.append(worker)
@@ -150,6 +153,16 @@ def start_worker(env: dict[str, str], tmp_path: Path) -> Iterator[StartWorker]:
     yield start
     for worker in started:
         worker.discard()
+
+
+@pytest.fixture
+def beat(env: dict[str, str], tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A ``dex-tasks beat`` for this test (its log in ``tmp_path / "beat.log"``), SIGKILLed at
+    teardown."""
+    proc = start_process(["beat"], env, tmp_path / "beat.log")
+    yield proc
+    proc.kill()
+    proc.wait(10)
 
 
 @pytest.fixture

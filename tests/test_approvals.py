@@ -33,9 +33,9 @@ from dex_tasks import (
     approvals,
     sweeps,
 )
-from dex_tasks.celery_app import SINGLE_ATTEMPT_QUEUE
 from dex_tasks.cli import app as cli_app
 from dex_tasks.execution import Runtime
+from dex_tasks.routing import queue_for
 from dex_tasks.store import INTERRUPTS, Store
 from tests.conftest import StartWorker, fast_settings
 from tests.helpers import start_process, user_messages, wait_until
@@ -103,7 +103,7 @@ def test_approval_waits_with_no_message_and_approving_publishes_one(
     record = refund(client, "t1", "c1")
 
     # Then no Celery message exists for it, and the snapshot lists it as pending
-    assert queue_length(redis_url, SINGLE_ATTEMPT_QUEUE) == 0
+    assert queue_length(redis_url, queue_for("refund_payment")) == 0
     [pending] = client.get_agent_snapshot("s1").pending_interrupts
     assert (pending.interrupt_id, pending.key, pending.tool) == (
         record.interrupt_id, record.key, "refund_payment")
@@ -113,7 +113,7 @@ def test_approval_waits_with_no_message_and_approving_publishes_one(
 
     # When it is approved, exactly one message is published (the check above can fail)
     assert client.resolve_interrupt("s1", interrupt_of(record), True, approver="alice")
-    assert queue_length(redis_url, SINGLE_ATTEMPT_QUEUE) == 1
+    assert queue_length(redis_url, queue_for("refund_payment")) == 1
     assert client.get_tool_call(record.key).status is CallStatus.QUEUED
     assert client.get_agent_snapshot("s1").pending_interrupts == []
 
@@ -137,7 +137,7 @@ def test_waiting_calls_survive_worker_and_beat_restarts_and_run_once_approved(
     beat.kill()
     beat.wait(10)
     # Then no message for them is left in Redis (nothing consumes now, so nothing can hide it)
-    assert queue_length(redis_url, SINGLE_ATTEMPT_QUEUE) == 0
+    assert queue_length(redis_url, queue_for("refund_payment")) == 0
 
     # When a new worker and beat start: beat's deadline sweep rejects the expiring call...
     start_worker(concurrency=2)

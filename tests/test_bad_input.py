@@ -20,8 +20,8 @@ from dex_tasks import (
     InvalidArgumentError,
     InvalidCallError,
 )
-from dex_tasks.celery_app import RETRYING_QUEUE
 from dex_tasks.execution import Runtime
+from dex_tasks.routing import queue_for
 from dex_tasks.store import CALLS
 from dex_tasks.sweeps import run_job
 from tests.conftest import StartWorker, fast_settings
@@ -121,7 +121,7 @@ def test_a_row_no_sweep_can_read_does_not_stop_recovery_of_the_others(
     # ...and a read whose worker vanished while it ran (claimed, lease long expired)...
     orphan = client.call_tool(session_id="s1", turn_id="t1", tool_call_id="orphan",
                               tool="lookup_order", arguments={"order_id": "1002"})
-    assert rt.redis.delete(RETRYING_QUEUE) == 1
+    assert rt.redis.delete(queue_for("lookup_order")) == 1
     assert client.store.transition(
         orphan.key, CallStatus.RUNNING, allowed={CallStatus.QUEUED},
         values={"attempts": 1, "worker": "dex-gone@nowhere:2",
@@ -147,12 +147,13 @@ def test_a_row_no_sweep_can_read_does_not_stop_recovery_of_the_others(
         conn.execute(update(CALLS).where(CALLS.c.key == lost.key)
                      .values(published_at=now - 600))
 
-    # When the sweeps run (each batch meets the bad rows first or among the good ones)
+    # When the sweeps run (each batch meets the bad rows first or among the good ones) while
+    # a worker serves the tool (the republisher sends nothing to a queue nobody consumes)
+    start_worker(concurrency=1)
     assert run_job(rt, "republish_stranded") == 1
     assert run_job(rt, "reap_expired_leases") == 1
 
     # Then the lost read is sent again and the orphan retried, and both run once here
-    start_worker(concurrency=1)
     assert client.wait(lost.key, 30).status is CallStatus.SUCCEEDED
     assert client.wait(orphan.key, 30).status is CallStatus.SUCCEEDED
     assert ledger.executions(ledger_path) == {lost.key: 1, orphan.key: 1}

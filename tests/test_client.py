@@ -28,8 +28,8 @@ from dex_tasks import (
     tool,
 )
 from dex_tasks import catalog as catalog_mod
-from dex_tasks.celery_app import RETRYING_QUEUE, SINGLE_ATTEMPT_QUEUE
 from dex_tasks.execution import Runtime
+from dex_tasks.routing import queue_for
 from workers import example_tools
 
 assert example_tools.lookup_order.name == "lookup_order"
@@ -68,7 +68,7 @@ def test_call_tool_records_the_call_and_sends_one_message(client: DexClient,
     assert record.attempts == 0 and record.max_attempts == 3
     assert record.result is None and record.error is None and record.finished_at is None
     assert record.created_at.timestamp() >= before
-    assert rt.redis.llen(RETRYING_QUEUE) == 1
+    assert rt.redis.llen(queue_for("lookup_order")) == 1
     # The message carries only the key: the store holds the rest.
     assert client.get_tool_call(record.key) == record
 
@@ -88,7 +88,7 @@ def test_concurrent_call_tool_with_one_key_make_one_call(client: DexClient,
         records = list(pool.map(call, range(6)))
     # Then they all got the same record, and one message was sent
     assert all(r.key == records[0].key for r in records)
-    assert rt.redis.llen(SINGLE_ATTEMPT_QUEUE) == 1
+    assert rt.redis.llen(queue_for("charge_card")) == 1
     assert len(client.get_agent_snapshot("s1").tool_calls) == 1
 
 
@@ -98,7 +98,7 @@ def test_calls_needing_approval_send_no_message(client: DexClient, rt: Runtime) 
                               arguments={"charge_id": "ch_1", "amount_cents": 5})
     assert record.status is CallStatus.AWAITING_APPROVAL
     assert record.requires_approval and record.interrupt_id
-    assert rt.redis.llen(SINGLE_ATTEMPT_QUEUE) == 0
+    assert rt.redis.llen(queue_for("refund_payment")) == 0
 
 
 def test_policy_comes_from_the_catalog_hints_or_the_session_default(

@@ -21,8 +21,9 @@ from dex_tasks import (
     DexClient,
     ToolCallRecord,
 )
-from dex_tasks.celery_app import RETRYING_QUEUE, SINGLE_ATTEMPT_QUEUE, publish
+from dex_tasks.celery_app import publish
 from dex_tasks.execution import Runtime
+from dex_tasks.routing import queue_for
 from dex_tasks.sweeps import reap_expired_leases, republish_stranded, run_all
 from tests.conftest import StartWorker
 from tests.helpers import WorkerProcess, dex_command, pid_alive, wait_until
@@ -59,8 +60,8 @@ def test_a_message_delivered_twice_and_a_repeated_call_run_once(
         row = client.store.get_call(record.key)
         assert row is not None
         publish(client.app, row)
-    assert rt.redis.llen(SINGLE_ATTEMPT_QUEUE) == 2
-    assert rt.redis.llen(RETRYING_QUEUE) == 2
+    assert rt.redis.llen(queue_for("charge_card")) == 2
+    assert rt.redis.llen(queue_for("update_address")) == 2
 
     # When a worker with two children takes both copies at once
     worker = start_worker(concurrency=2)
@@ -76,7 +77,7 @@ def test_a_message_delivered_twice_and_a_repeated_call_run_once(
     again = _charge(client, "c1", sleep=0.5)
     assert again == client.get_tool_call(charge.key)
     assert again.status is CallStatus.SUCCEEDED and again.attempts == 1
-    assert rt.redis.llen(SINGLE_ATTEMPT_QUEUE) == 0
+    assert rt.redis.llen(queue_for("charge_card")) == 0
     # A late duplicate (a republish, or a visibility-timeout redelivery) changes nothing.
     finished = client.store.get_call(charge.key)
     assert finished is not None
