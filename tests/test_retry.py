@@ -16,9 +16,9 @@ import pytest
 import redis
 
 from dex_tasks import OUTCOME_UNKNOWN_TOOL_RESULT, CallStatus, DexClient, DexSettings, EffectClass
-from dex_tasks.celery_app import RETRYING_QUEUE
 from dex_tasks.execution import Runtime
 from dex_tasks.retry import after_transient_error, after_worker_lost, backoff
+from dex_tasks.routing import queue_for
 from dex_tasks.sweeps import republish_stranded
 from tests.conftest import StartWorker
 from tests.helpers import started_pid, wait_until
@@ -180,5 +180,5 @@ def test_a_retry_waiting_out_its_countdown_is_not_stranded(
         assert [e["attempt"] for e in runs] == [1, 2]
         assert runs[0]["pid"] == first
         assert 4.0 * 0.9 <= runs[1]["at"] - runs[0]["at"] < 4.0 + 3.0
-        assert rt.redis.llen(RETRYING_QUEUE) == 0
+        assert rt.redis.llen(queue_for("hinted_lookup")) == 0
         rt.redis.close()
