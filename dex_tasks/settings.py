@@ -69,6 +69,11 @@ class DexSettings(BaseSettings):
         default=60.0, ge=0,
         description="Cap on the retry delay.",
     )
+    prune_batch: int = Field(
+        default=1000, ge=1,
+        description="Calls (or messages) `prune` deletes per transaction; workers wait for "
+        "at most one batch.",
+    )
 
 
     def signing_key(self) -> str:
