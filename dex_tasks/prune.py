@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, exists, or_, select, tuple_
+from sqlalchemy import Select, delete, exists, or_, select, tuple_
 from sqlalchemy.engine import Connection
 
 from dex_tasks.errors import InvalidArgumentError
@@ -120,19 +120,24 @@ _TURN_OPEN = exists().where(
 )
 
 
+def candidates(status: str, cutoff: float, after: tuple[float, str] | None,
+               batch: int) -> Select[Any]:
+    """The next page of ``status`` calls finished before ``cutoff``, oldest first, after the
+    ``(finished_at, key)`` of the previous page: a range of the ``(status, finished_at)``
+    index. Keyset paging: calls one page kept are not read again by the next."""
+    page = select(CALLS.c.key, CALLS.c.session_id, CALLS.c.finished_at).where(
+        CALLS.c.status == status, CALLS.c.finished_at < cutoff)
+    if after is not None:
+        page = page.where(tuple_(CALLS.c.finished_at, CALLS.c.key) > tuple_(*after))
+    return page.order_by(CALLS.c.finished_at, CALLS.c.key).limit(batch)
+
+
 def _prune_calls(store: Store, status: str, batch: int, result: PruneResult) -> None:
-    """Page through ``status`` calls finished before the cutoff, oldest first, through the
-    ``(status, finished_at)`` index; one write transaction per page."""
+    """Page through :func:`candidates`; one write transaction per page."""
     after: tuple[float, str] | None = None
     while True:
-        page = select(CALLS.c.key, CALLS.c.session_id, CALLS.c.finished_at).where(
-            CALLS.c.status == status, CALLS.c.finished_at < result.cutoff)
-        if after is not None:
-            # Keyset paging: calls kept in one page are not read again by the next.
-            page = page.where(tuple_(CALLS.c.finished_at, CALLS.c.key) > tuple_(*after))
         with store.read() as conn:
-            rows = conn.execute(
-                page.order_by(CALLS.c.finished_at, CALLS.c.key).limit(batch)).all()
+            rows = conn.execute(candidates(status, result.cutoff, after, batch)).all()
         if not rows:
             return
         after = (rows[-1].finished_at, rows[-1].key)

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from dex_tasks import CallStatus, DexClient, InvalidArgumentError, MessageRole
 from dex_tasks.cli import app as cli_app
-from dex_tasks.prune import PruneResult, parse_age, prune
+from dex_tasks.prune import PruneResult, candidates, parse_age, prune
 from dex_tasks.reconcile import unreported_calls
 from dex_tasks.store import CALLS, EVENTS, INTERRUPTS, MESSAGES, Store
 from dex_tasks.transcript import add_assistant_message, report_text, send_user_message
@@ -184,6 +184,38 @@ def _old_calls(store: Store, n: int) -> None:
         conn.execute(insert(CALLS), rows)
         conn.execute(insert(EVENTS), events)
         conn.execute(insert(MESSAGES), messages)
+
+
+def test_prune_reads_old_calls_through_the_status_finished_index(store: Store) -> None:
+    # Given many recent calls and a few old ones, with planner statistics
+    _old_calls(store, 30)
+    recent = [{"key": f"new/t{i}/c1", "session_id": "new", "turn_id": f"t{i}",
+               "tool_call_id": "c1", "tool": "lookup_order", "arguments": "{}", "effect": "read",
+               "requires_approval": False, "max_attempts": 3, "status": status,
+               "attempts": 1, "republishes": 0, "created_at": NOW, "updated_at": NOW,
+               "finished_at": NOW if status != "running" else None}
+              for i, status in enumerate(["succeeded", "failed", "running"] * 3000)]
+    with store.write() as conn:
+        conn.execute(insert(CALLS), recent)
+    with store.write() as conn:
+        conn.exec_driver_sql("ANALYZE")
+        # When the planner is asked how prune reads a page of candidates (a later page too)
+        plans = []
+        for after in (None, (OLD + 5, "old5/t5/c1")):
+            statement = candidates("succeeded", NOW - 30 * DAY, after, 1000)
+            sql = str(statement.compile(conn, compile_kwargs={"literal_binds": True}))
+            explain = "EXPLAIN QUERY PLAN" if store.is_sqlite else "EXPLAIN"
+            plans.append("\n".join(str(r[-1]) for r in conn.exec_driver_sql(f"{explain} {sql}")))
+    # Then it walks the (status, finished_at) index from the start of the status's range:
+    # O(old calls), not O(calls)
+    for plan in plans:
+        assert "ix_dex_calls_status_finished" in plan, plan
+        assert "Seq Scan" not in plan and "SCAN dex_tool_calls\n" not in plan + "\n", plan
+        if store.is_sqlite:
+            assert "(status=? AND finished_at" in plan, plan
+        else:
+            conds = [line for line in plan.splitlines() if "Index Cond" in line]
+            assert conds and "finished_at <" in conds[0], plan
 
 
 def test_workers_keep_running_calls_while_prune_runs(
