@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import itertools
 import json
-import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import uuid
 import zipfile
@@ -34,7 +32,13 @@ from dex_tasks.reconcile import unreported_calls
 from dex_tasks.states import CallStatus
 from dex_tasks.store import Store
 from tests.conftest import POSTGRES_URL, fast_settings, settings_env
-from tests.helpers import ROOT, WorkerProcess, dex_command, start_process
+from tests.helpers import (
+    ROOT,
+    WorkerProcess,
+    dex_command,
+    race_in_processes,
+    start_process,
+)
 from workers import example_tools
 
 LEGACY = ROOT / "tests" / "legacy" / "create_c28862d.py"
@@ -403,16 +407,7 @@ def _first_start(url: str, go: Any, out: Any) -> None:
 def test_four_first_starts_at_once_migrate_once(new_database: NewDatabase) -> None:
     # Given an empty database and four processes starting on it at the same moment
     url = new_database()
-    ctx = multiprocessing.get_context("fork" if threading.active_count() == 1 else "spawn")
-    go, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_first_start, args=(url, go, out)) for _ in range(4)]
-    for proc in procs:
-        proc.start()
-    go.set()
-    results = sorted(out.get(timeout=90) for _ in procs)
-    for proc in procs:
-        proc.join(30)
-        assert proc.exitcode == 0
+    results = sorted(race_in_processes(_first_start, [(url,)] * 4))
     # Then exactly one migrated, the others waited and found head, and nothing failed
     assert results == [("found head", None)] * 3 + [("migrated", None)], results
     store = Store(url)
