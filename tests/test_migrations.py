@@ -456,9 +456,9 @@ def test_worker_beat_and_api_refuse_an_out_of_date_schema(
     commands = {"worker": ["worker", "--tools", "workers.example_tools"], "beat": ["beat"],
                 "api": ["api", "--port", "1"]}
 
-    def refusals() -> dict[str, str]:
-        procs = {name: start_process(args, env, tmp_path / f"{name}.log")
-                 for name, args in commands.items()}
+    def refusals(names: tuple[str, ...] = ("worker", "beat", "api")) -> dict[str, str]:
+        procs = {name: start_process(commands[name], env, tmp_path / f"{name}.log")
+                 for name in names}
         out = {}
         for name, proc in procs.items():
             assert proc.wait(60) == 2, (tmp_path / f"{name}.log").read_text()
@@ -484,8 +484,8 @@ def test_worker_beat_and_api_refuse_an_out_of_date_schema(
     with engine.begin() as conn:
         conn.execute(text(f"UPDATE {schema.VERSION_TABLE} SET version_num = '0099_future'"))
     engine.dispose()
-    # Then they refuse too, saying so
-    for name, output in refusals().items():
+    # Then a worker refuses too (the same check as beat's and the API's), saying so
+    for name, output in refusals(("worker",)).items():
         assert "revision 0099_future, which this dex-tasks does not know" in output, name
         assert "a newer release ran `dex-tasks db upgrade` on it" in output, name
     current = dex(["db", "current"], sqlite_url)
