@@ -28,6 +28,7 @@ from dex_tasks.policy import EffectClass, ToolPolicy, resolve_policy, seconds
 from dex_tasks.records import AgentSnapshot, CallEvent, SessionMessage, ToolCallRecord
 from dex_tasks.registry import InvalidArguments, canonical_json
 from dex_tasks.settings import DexSettings
+from dex_tasks.sqljson import same_json
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
 from dex_tasks.store import Store
 
@@ -67,7 +68,12 @@ class DexClient:
         self.settings = settings or DexSettings()
         self.store = Store(self.settings.database_url)
         if create_tables:
-            self.store.create_all()
+            try:
+                self.store.create_all()
+            except BaseException:
+                # A schema of another release (SchemaOutOfDateError): no connection left open.
+                self.store.close()
+                raise
         self._app: Celery | None = None
         self._catalog_cache: dict[str, tuple[float, catalog.ToolInfo]] = {}
 
@@ -263,7 +269,8 @@ class DexClient:
     def _same_call(existing: Any, tool: str, args_json: str) -> ToolCallRecord:
         if existing.tool != tool:
             raise ConflictError(existing.key, "tool")
-        if existing.arguments != args_json:
+        # By value: PostgreSQL's jsonb hands back its own spelling of the stored arguments.
+        if not same_json(existing.arguments, args_json):
             raise ConflictError(existing.key, "arguments")
         return ToolCallRecord.from_row(existing)
 

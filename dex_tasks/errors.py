@@ -5,6 +5,7 @@ catch one type. The tree::
 
     DexError
     ├── ConfigurationError      a setting is missing or malformed
+    │   └── SchemaOutOfDateError  the store's schema is not this release's (run `db upgrade`)
     ├── UnknownToolError        no local tool and no catalog entry has that name (or no catalog)
     ├── ToolDefinitionError     a @tool function cannot be turned into a tool
     ├── ConflictError           the idempotency key exists with another tool or other arguments
@@ -32,6 +33,12 @@ class DexError(Exception):
 
 class ConfigurationError(DexError):
     """A setting is missing or has a value dex-tasks cannot use."""
+
+
+class SchemaOutOfDateError(ConfigurationError):
+    """The store's schema is older than this dex-tasks needs, newer than it knows, or from
+    before migrations. The message (one line) names the store and what to run: usually
+    ``dex-tasks db upgrade``."""
 
 
 class UnknownToolError(DexError):

@@ -39,7 +39,7 @@ from dex_tasks.errors import OutcomeUnknownError, TransientToolError
 from dex_tasks.models import ToolCallRow
 from dex_tasks.policy import EffectClass
 from dex_tasks.redis_clients import redis_client
-from dex_tasks.registry import InvalidArguments, ToolContext, get_local_tool
+from dex_tasks.registry import InvalidArguments, ToolContext, get_local_tool, strings_problem
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
 from dex_tasks.store import INHERITED, Store
@@ -116,6 +116,10 @@ def current_owner(hostname: str | None) -> str:
 
 
 def _dump_result(value: Any) -> str:
+    # A NUL or a lone surrogate in a string: PostgreSQL's jsonb cannot hold it (see sqljson).
+    problem = strings_problem(value, "its result")
+    if problem:
+        raise ValueError(problem)
     # allow_nan=False: NaN would be stored as JSON no other reader accepts (the API says null).
     return json.dumps(value, default=_unserialisable, allow_nan=False)
 

@@ -1,12 +1,32 @@
-"""SQLModel tables: the store's schema.
+"""SQLModel tables: the store's schema (what the migrations in ``migrations/`` build).
 
-Timestamps are stored as UTC epoch seconds (floats): they compare and index the same way on
-SQLite and PostgreSQL, with no time-zone surprises. Views for users live in ``records.py``.
+Changing a table here needs a migration: ``dex_tasks/migrations/versions`` (see
+``schema.py``); a test compares the migrated schema with these models on both engines.
+
+JSON columns (:class:`~dex_tasks.sqljson.JsonText`) are ``jsonb`` on PostgreSQL and ``TEXT`` on
+SQLite; the code sees JSON text on both. Event and message ids are 64-bit (``BIGINT`` on
+PostgreSQL; SQLite's ``INTEGER PRIMARY KEY`` is 64-bit already).
+
+Times are UTC epoch seconds in ``double precision`` columns, not ``timestamptz``, on purpose:
+
+* index use is the same: a b-tree over floats serves ``lease_expires_at < :now`` or the prune's
+  ``finished_at < :cutoff`` exactly as one over timestamps would;
+* the sweeps compare and compute in seconds (a lease is ``now + lease_seconds``, an approved
+  call's queue expiry moves by ``now - created_at``), which is plain arithmetic on floats on
+  both engines; with ``timestamptz`` each would need interval arithmetic on PostgreSQL and
+  another spelling on SQLite, which has no time type;
+* the metrics' latency buckets are ``finished_at - created_at`` compared with seconds in one
+  aggregate; with ``timestamptz`` that difference is an ``interval`` that needs
+  ``extract(epoch from ...)`` on PostgreSQL only;
+* psql users see numbers, the price: ``to_timestamp(created_at)`` shows a time
+  (``select key, status, to_timestamp(finished_at) from dex_tool_calls``).
+
+Views for users live in ``records.py``.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import Column, Index, Text
+from sqlalchemy import BigInteger, Column, Index, Integer, Text
 from sqlmodel import Field, SQLModel
 
 from dex_tasks.limits import (
@@ -18,6 +38,11 @@ from dex_tasks.limits import (
     TOOL_NAME_MAX,
     TURN_ID_MAX,
 )
+from dex_tasks.sqljson import JsonText
+
+# BIGINT on PostgreSQL; on SQLite only INTEGER PRIMARY KEY is the (64-bit) rowid that numbers
+# itself, so the variant keeps it.
+ID = BigInteger().with_variant(Integer(), "sqlite")
 
 
 class ToolCallRow(SQLModel, table=True):
@@ -29,6 +54,10 @@ class ToolCallRow(SQLModel, table=True):
         # O(calls in that status), not O(all calls).
         Index("ix_dex_calls_status_lease", "status", "lease_expires_at"),
         Index("ix_dex_calls_status_published", "status", "published_at"),
+        # Prune reads terminal calls by finish time, and the reconcilers page through
+        # outcome_unknown calls in finish order. (It replaces an index on status alone, which
+        # these three made redundant.)
+        Index("ix_dex_calls_status_finished", "status", "finished_at"),
     )
 
     key: str = Field(primary_key=True, max_length=KEY_MAX)
@@ -36,15 +65,15 @@ class ToolCallRow(SQLModel, table=True):
     turn_id: str = Field(max_length=TURN_ID_MAX)
     tool_call_id: str = Field(max_length=TOOL_CALL_ID_MAX)
     tool: str = Field(max_length=TOOL_NAME_MAX)
-    arguments: str = Field(sa_column=Column(Text, nullable=False))
+    arguments: str = Field(sa_column=Column(JsonText, nullable=False))
     # Policy snapshot: later policy changes affect only later calls.
     effect: str = Field(max_length=32)
     requires_approval: bool
     max_attempts: int
     time_limit: float | None = None
-    status: str = Field(index=True, max_length=32)
+    status: str = Field(max_length=32)
     prev_status: str | None = Field(default=None, max_length=32)
-    result: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    result: str | None = Field(default=None, sa_column=Column(JsonText, nullable=True))
     error: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     attempts: int = 0
     interrupt_id: str | None = Field(default=None, max_length=INTERRUPT_ID_MAX)
@@ -69,13 +98,13 @@ class CallEventRow(SQLModel, table=True):
     __tablename__ = "dex_call_events"
     __table_args__ = (Index("ix_dex_events_session_id", "session_id", "id"),)
 
-    id: int | None = Field(default=None, primary_key=True)
+    id: int | None = Field(default=None, primary_key=True, sa_type=ID)
     session_id: str = Field(max_length=SESSION_ID_MAX)
     key: str = Field(index=True, max_length=KEY_MAX)
     event: str = Field(max_length=64)
     from_status: str | None = Field(default=None, max_length=32)
     to_status: str = Field(max_length=32)
-    detail: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    detail: str | None = Field(default=None, sa_column=Column(JsonText, nullable=True))
     created_at: float
 
 
@@ -120,7 +149,7 @@ class MessageRow(SQLModel, table=True):
         Index("ux_dex_messages_key", "key", unique=True),
     )
 
-    id: int | None = Field(default=None, primary_key=True)
+    id: int | None = Field(default=None, primary_key=True, sa_type=ID)
     session_id: str = Field(index=True, max_length=SESSION_ID_MAX)
     # server_default: rows written before the transcript had roles were all user messages.
     role: str = Field(default="user", max_length=16,
@@ -134,7 +163,7 @@ class MessageRow(SQLModel, table=True):
     tool: str | None = Field(default=None, max_length=TOOL_NAME_MAX)
     key: str | None = Field(default=None, max_length=KEY_MAX)
     call_status: str | None = Field(default=None, max_length=32)
-    tool_arguments: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    tool_arguments: str | None = Field(default=None, sa_column=Column(JsonText, nullable=True))
     tool_output: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
 
 
@@ -144,8 +173,8 @@ class CatalogRow(SQLModel, table=True):
     __tablename__ = "dex_tool_catalog"
 
     name: str = Field(primary_key=True, max_length=TOOL_NAME_MAX)
-    policy: str = Field(sa_column=Column(Text, nullable=False))
-    hints: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
-    arguments_schema: str = Field(sa_column=Column(Text, nullable=False))
+    policy: str = Field(sa_column=Column(JsonText, nullable=False))
+    hints: str | None = Field(default=None, sa_column=Column(JsonText, nullable=True))
+    arguments_schema: str = Field(sa_column=Column(JsonText, nullable=False))
     description: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     updated_at: float

@@ -297,8 +297,10 @@ def json_problem(value: Any, path: str = "arguments") -> str | None:
     which other JSON readers refuse or read as null. A call's arguments are its identity, so
     anything that does not survive a round trip unchanged is refused instead.
     """
-    if value is None or isinstance(value, bool | str):
+    if value is None or isinstance(value, bool):
         return None
+    if isinstance(value, str):
+        return string_problem(value, path)
     if isinstance(value, int):
         return None
     if isinstance(value, float):
@@ -309,7 +311,7 @@ def json_problem(value: Any, path: str = "arguments") -> str | None:
         for k, v in value.items():
             if not isinstance(k, str):
                 return f"{path} has a key {k!r} of type {type(k).__name__}; JSON keys are strings"
-            problem = json_problem(v, f"{path}.{k}")
+            problem = string_problem(k, f"a key of {path}") or json_problem(v, f"{path}.{k}")
             if problem:
                 return problem
         return None
@@ -321,6 +323,39 @@ def json_problem(value: Any, path: str = "arguments") -> str | None:
         return None
     return (f"{path} is a {type(value).__name__}, not a JSON value (str, number, bool, null, "
             "list or object); convert it first")
+
+
+def string_problem(text: str, path: str) -> str | None:
+    """Why the store cannot hold ``text`` inside JSON (a NUL, a lone surrogate); None if it can.
+
+    PostgreSQL's jsonb refuses both, even escaped (``\\u0000``); they are refused on SQLite too,
+    so a value behaves the same whichever store it lands in.
+    """
+    if "\x00" in text:
+        return f"{path} contains a NUL character (\\x00), which the store cannot hold"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"{path} contains a lone surrogate, which is not valid Unicode"
+    return None
+
+
+def strings_problem(value: Any, path: str) -> str | None:
+    """:func:`string_problem` of every string (and object key) inside ``value``."""
+    if isinstance(value, str):
+        return string_problem(value, path)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            problem = (string_problem(k, f"a key of {path}") if isinstance(k, str) else None) \
+                or strings_problem(v, f"{path}.{k}")
+            if problem:
+                return problem
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            problem = strings_problem(v, f"{path}[{i}]")
+            if problem:
+                return problem
+    return None
 
 
 def canonical_json(value: Any) -> str:

@@ -116,6 +116,12 @@ class DexSettings(BaseSettings):
         description="How often a worker announces its tools and held messages in Redis; "
         "after 5 missed beats it counts as gone.",
     )
+    prune_batch: int = Field(
+        default=1000, ge=1,
+        description="Calls (or messages) `prune` deletes per transaction; workers wait for "
+        "at most one batch.",
+    )
+
 
     def signing_key(self) -> str:
         """The token-signing secret; :class:`ConfigurationError` when it is not set."""

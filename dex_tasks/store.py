@@ -23,7 +23,7 @@ from sqlalchemy import Engine, bindparam, event, exists, func, insert, literal, 
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError, SQLAlchemyError
 from sqlalchemy.sql.elements import ClauseElement, ColumnElement
-from sqlmodel import SQLModel, create_engine
+from sqlmodel import create_engine
 
 from dex_tasks.errors import IllegalTransitionError, StoreUnavailableError
 from dex_tasks.models import CallEventRow, CatalogRow, InterruptRow, MessageRow, ToolCallRow
@@ -307,9 +307,16 @@ class Store:
             self.read_engine = self.engine
 
     def create_all(self) -> None:
-        """Create the tables and indexes that do not exist yet."""
-        with self._fork_safe(), self._errors():
-            SQLModel.metadata.create_all(self.engine)
+        """Make the schema ready for this release (what every process does at start).
+
+        An empty database is migrated to head; one at head is left as it is; anything else
+        raises ``SchemaOutOfDateError`` naming ``dex-tasks db upgrade``. The migrations
+        (``schema.py``) build the tables, never ``metadata.create_all``, so every database
+        records its revision; concurrent first starts are serialised there.
+        """
+        from dex_tasks import schema  # schema.py needs only this class's read/write
+
+        schema.prepare(self)
 
     def _fork_safe(self) -> AbstractContextManager[None]:
         return _FORK_GUARD.transaction() if self.is_sqlite else nullcontext()

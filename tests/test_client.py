@@ -30,9 +30,17 @@ from dex_tasks import (
 from dex_tasks import catalog as catalog_mod
 from dex_tasks.execution import Runtime
 from dex_tasks.routing import queue_for
+from tests.conftest import fast_settings
 from workers import example_tools
 
 assert example_tools.lookup_order.name == "lookup_order"
+
+
+@pytest.fixture
+def settings(redis_url: str, database_url: str) -> DexSettings:
+    """Both stores: what call_tool stores, repeats and reads back must not depend on the engine
+    (PostgreSQL's jsonb hands JSON back in its own spelling)."""
+    return fast_settings(redis_url, database_url)
 
 
 @pytest.fixture

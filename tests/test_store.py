@@ -6,7 +6,7 @@ with their own connections, and separate processes each with its own ``Store``.
 
 from __future__ import annotations
 
-import multiprocessing
+import json
 import os
 import sqlite3
 import threading
@@ -22,6 +22,7 @@ from sqlalchemy import text
 from dex_tasks import CallStatus, IllegalTransitionError, StoreUnavailableError
 from dex_tasks.states import ALLOWED_FROM, TERMINAL
 from dex_tasks.store import CALLS, Store
+from tests.helpers import race_in_processes
 
 
 @pytest.fixture
@@ -73,7 +74,8 @@ def test_transition_writes_the_event_with_from_and_to_status(store: Store) -> No
         ("tool_call_finished", "running", "succeeded"),
     ]
     last = store.events_for_call("s/t/c")[-1]
-    assert last.detail == '{"why": "done"}' and last.created_at == 1000.0
+    # JSON compared as JSON: jsonb (PostgreSQL) hands back its own spelling of the text.
+    assert json.loads(last.detail or "") == {"why": "done"} and last.created_at == 1000.0
     assert [e.key for e in store.events("s")] == ["s/t/c"] * 3
 
 
@@ -168,20 +170,9 @@ def test_only_one_of_several_processes_wins_each_claim(store: Store) -> None:
     keys = [f"s/t/p{i}" for i in range(40)]
     for key in keys:
         store.insert_call(call_row(key))
-    # Given 4 processes, each with its own Store, racing over the same calls. Fork is much
-    # cheaper than spawn; it is only unsafe (and warned about) when this process has threads.
-    ctx = multiprocessing.get_context("fork" if threading.active_count() == 1 else "spawn")
-    go = ctx.Event()
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_process_contender, args=(store.url, keys, f"proc{i}:1", go, out))
-             for i in range(4)]
-    for proc in procs:
-        proc.start()
-    go.set()
-    results = dict(out.get(timeout=60) for _ in procs)
-    for proc in procs:
-        proc.join(30)
-        assert proc.exitcode == 0
+    # Given 4 processes, each with its own Store, racing over the same calls
+    results = dict(race_in_processes(
+        _process_contender, [(store.url, keys, f"proc{i}:1") for i in range(4)]))
     # Then each call was claimed by exactly one process, the one its row names
     won = [key for keys_won in results.values() for key in keys_won]
     assert sorted(won) == sorted(keys)

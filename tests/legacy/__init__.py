@@ -1,0 +1,1 @@
+"""The first release's schema, for the migration tests (nothing here is imported by them)."""
