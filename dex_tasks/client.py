@@ -65,7 +65,10 @@ class DexClient:
 
     def __init__(self, settings: DexSettings | None = None, *, create_tables: bool = True) -> None:
         self.settings = settings or DexSettings()
-        self.store = Store(self.settings.database_url)
+        # pre_ping: an agent process idles between turns, and the server (or a proxy) may close
+        # its pooled connections meanwhile; the ping costs one round trip per transaction.
+        self.store = Store(self.settings.database_url,
+                           retry_seconds=self.settings.store_retry_seconds, pre_ping=True)
         if create_tables:
             self.store.create_all()
         self._app: Celery | None = None

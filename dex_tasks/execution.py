@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
 from billiard.exceptions import SoftTimeLimitExceeded
@@ -36,7 +36,7 @@ from dex_tasks.policy import EffectClass
 from dex_tasks.registry import InvalidArguments, ToolContext, get_local_tool
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
-from dex_tasks.store import INHERITED, Store
+from dex_tasks.store import INHERITED, Move, Store
 
 log = logging.getLogger("dex_tasks.execution")
 
@@ -61,7 +61,7 @@ def runtime(app: Celery) -> Runtime:
         settings: DexSettings = app.dex_settings  # type: ignore[attr-defined]
         _runtime = Runtime(
             settings=settings,
-            store=Store(settings.database_url),
+            store=Store(settings.database_url, retry_seconds=settings.store_retry_seconds),
             redis=redis.Redis.from_url(settings.redis_url, socket_timeout=10),
             app=app,
         )
@@ -105,6 +105,13 @@ def did_not_run(store: Store, call: ToolCallRow, why: str) -> bool:
     if its attempts ran out: a read ``failed``, a write ``outcome_unknown``. The ``attempts``
     guard keeps a claim that lands between our read and this write from being mislabelled.
     """
+    move = did_not_run_move(call, why)
+    return store.transition(move.key, move.to, allowed={CallStatus.QUEUED}, match=move.match,
+                            values=move.values, detail=move.detail)
+
+
+def did_not_run_move(call: ToolCallRow, why: str) -> Move:
+    """How :func:`did_not_run` ends ``call`` (for the sweeps' set-based transitions)."""
     if call.attempts == 0:
         error = f"{TOOL_DID_NOT_RUN}: {why}"
         to, reason = CallStatus.FAILED, "did_not_run"
@@ -115,20 +122,14 @@ def did_not_run(store: Store, call: ToolCallRow, why: str) -> bool:
         )
         assert decision.status is not None
         to, error, reason = decision.status, decision.error or why, "next_attempt_not_started"
-    return store.transition(
-        call.key,
-        to,
-        allowed={CallStatus.QUEUED},
-        match={"attempts": call.attempts},
-        values={"error": error},
-        detail={"reason": reason, "why": why},
-    )
+    return Move(call.key, to, match={"attempts": call.attempts}, values={"error": error},
+                detail={"reason": reason, "why": why})
 
 
 def handle_lost_attempt(
     rt: Runtime, key: str, owner: str | None, reason: str, *, republish: bool
 ) -> CallStatus | None:
-    """A running attempt is gone (child killed, hard time limit, lease expired).
+    """A running attempt is gone (child killed, hard time limit).
 
     Only acts while the call is still ``running`` under that owner: the child may have
     finished the work and recorded it just before dying, and a later attempt may own the call
@@ -140,103 +141,118 @@ def handle_lost_attempt(
         return None
     if owner is not None and call.worker != owner:
         return None
-    effect = EffectClass(call.effect)
-    decision = retry.after_worker_lost(effect, call.attempts, call.max_attempts, reason)
+    move = lost_attempt_move(call, reason, time.time())
+    if not rt.store.transition(key, move.to, allowed={CallStatus.RUNNING}, match=move.match,
+                               values=move.values, detail=move.detail):
+        return None
+    after_lost_attempt(rt, call, move, republish=republish)
+    return move.to
+
+
+def lost_attempt_move(call: ToolCallRow, reason: str, now: float) -> Move:
+    """Where a call goes when its running attempt is lost: back to ``queued`` while attempts
+    are left on the retrying path, else the ending its effect class gives (``retry.py``).
+    Guarded on the attempt's owner and number, so a later attempt is never touched."""
+    decision = retry.after_worker_lost(EffectClass(call.effect), call.attempts,
+                                       call.max_attempts, reason)
     guard = {"worker": call.worker, "attempts": call.attempts}
+    detail = {"reason": "attempt_lost", "attempt": call.attempts, "why": reason}
     if decision.retry:
-        now = time.time()
-        if not rt.store.transition(
-            key,
-            CallStatus.QUEUED,
-            allowed={CallStatus.RUNNING},
-            match=guard,
-            values={"worker": None, "lease_expires_at": None, "published_at": now},
-            detail={"reason": "attempt_lost", "attempt": call.attempts, "why": reason},
-        ):
-            return None
-        if republish:
-            try:
-                publish(rt.app, call)
-            except Exception:  # noqa: BLE001 - the republisher sweep picks it up
-                log.warning("republish failed", extra={"action": "republish_failed", "key": key})
-        log.info("attempt lost, retrying", extra={"action": "attempt_lost", "key": key})
-        return CallStatus.QUEUED
+        return Move(call.key, CallStatus.QUEUED, match=guard, detail=detail,
+                    values={"worker": None, "lease_expires_at": None, "published_at": now})
     assert decision.status is not None
-    if rt.store.transition(
-        key,
-        decision.status,
-        allowed={CallStatus.RUNNING},
-        match=guard,
-        values={"error": decision.error},
-        detail={"reason": "attempt_lost", "attempt": call.attempts, "why": reason},
-    ):
-        log.info("attempt lost, call ended", extra={"action": "attempt_lost", "key": key,
-                                                     "status": decision.status.value})
-        return decision.status
-    return None
+    return Move(call.key, decision.status, match=guard, values={"error": decision.error},
+                detail=detail)
 
 
-def _exhausted_before_claim(rt: Runtime, call: ToolCallRow) -> None:
+def after_lost_attempt(rt: Runtime, call: ToolCallRow, move: Move, *, republish: bool) -> None:
+    """Log a lost attempt's move, and send the retry's message when one is needed."""
+    if move.to is not CallStatus.QUEUED:
+        log.info("attempt lost, call ended", extra={"action": "attempt_lost", "key": call.key,
+                                                     "status": move.to.value})
+        return
+    if republish:
+        try:
+            publish(rt.app, call)
+        except Exception:  # noqa: BLE001 - the republisher sweep picks it up
+            log.warning("republish failed", extra={"action": "republish_failed",
+                                                   "key": call.key})
+    log.info("attempt lost, retrying", extra={"action": "attempt_lost", "key": call.key})
+
+
+# -- running a call -----------------------------------------------------------------------------
+
+
+class _CannotRun(Exception):
+    """The claimed call cannot run here: its claim is rolled back and the call is ended."""
+
+    def __init__(self, why: str, call: ToolCallRow, *, exhausted: bool = False) -> None:
+        super().__init__(why)
+        self.why = why
+        self.call = call
+        self.exhausted = exhausted
+
+
+def _claim(rt: Runtime, key: str, owner: str) -> tuple[ToolCallRow, Any, dict[str, Any]] | None:
+    """The store's compare-and-set claim, queued -> running, and the checks before a tool runs.
+
+    One transaction on the common path, and no read before it: the claim's UPDATE returns the
+    whole call, and the checks run inside the same transaction on what it returned. A call
+    that cannot run here (expired in the queue, no such tool in this worker, invalid
+    arguments, attempts used up) has its claim rolled back, so it is still ``queued`` with its
+    attempts untouched, and is then ended "did not run" (or as if its attempts ran out) in a
+    transaction of its own. Returns the call as claimed (``attempts`` is this attempt's
+    number), the tool and the validated arguments; None for a call that was not queued (a
+    duplicate delivery, a call that ended).
+    """
+    now = time.time()
+
+    def vet(row: Any) -> tuple[Any, dict[str, Any]]:
+        # ``now`` is the claim's, not read again here: a claim retried after its connection
+        # was lost must decide as the try that committed did.
+        before = ToolCallRow.model_validate({
+            **row._mapping, "status": CallStatus.QUEUED.value, "attempts": row.attempts - 1,
+            "worker": None, "lease_expires_at": None, "prev_status": None})
+        if row.expires_at is not None and now > row.expires_at:
+            raise _CannotRun("it expired in the queue before a worker started it", before)
+        tool = get_local_tool(row.tool)
+        if tool is None:
+            raise _CannotRun(f"no worker that took it has the tool {row.tool!r}", before)
+        try:
+            arguments = tool.validate(json.loads(row.arguments))
+        except InvalidArguments as err:
+            raise _CannotRun(str(err), before) from None
+        if before.attempts >= row.max_attempts:
+            raise _CannotRun(f"the worker was lost during each of the {before.attempts} "
+                             "attempts", before, exhausted=True)
+        return tool, arguments
+
+    try:
+        claimed = rt.store.claim(key, owner, rt.settings.lease_seconds, vet, now=now)
+    except _CannotRun as refused:
+        if refused.exhausted:
+            _exhausted_before_claim(rt, refused.call, refused.why)
+        else:
+            did_not_run(rt.store, refused.call, refused.why)
+        return None
+    if claimed is None:
+        # Another delivery owns it, or it is finished: a duplicate changes nothing.
+        log.info("duplicate delivery ignored", extra={"action": "duplicate_delivery", "key": key})
+        return None
+    row, (tool, arguments) = claimed
+    return cast(ToolCallRow, row), tool, arguments
+
+
+def _exhausted_before_claim(rt: Runtime, call: ToolCallRow, why: str) -> None:
     """A queued retrying call delivered again after every attempt was used (by worker loss)."""
     decision = retry.after_worker_lost(
-        EffectClass(call.effect), call.attempts, call.max_attempts,
-        f"the worker was lost during each of the {call.attempts} attempts",
-    )
+        EffectClass(call.effect), call.attempts, call.max_attempts, why)
     assert decision.status is not None
     rt.store.transition(
         call.key, decision.status, allowed={CallStatus.QUEUED},
         match={"attempts": call.attempts},
         values={"error": decision.error}, detail={"reason": "attempts_exhausted"},
     )
-
-
-# -- running a call -----------------------------------------------------------------------------
-
-
-def _prepare(rt: Runtime, key: str) -> tuple[ToolCallRow, Any, dict[str, Any]] | None:
-    """Load a queued call and check it can run here; end it "did not run" if it cannot."""
-    call = rt.store.get_call(key)
-    if call is None:
-        log.warning("message for an unknown call", extra={"action": "unknown_call", "key": key})
-        return None
-    if call.status != CallStatus.QUEUED.value:
-        # Another delivery owns it, or it is finished: a duplicate changes nothing.
-        log.info("duplicate delivery ignored",
-                 extra={"action": "duplicate_delivery", "key": key, "status": call.status})
-        return None
-    if call.expires_at is not None and time.time() > call.expires_at:
-        did_not_run(rt.store, call, "it expired in the queue before a worker started it")
-        return None
-    tool = get_local_tool(call.tool)
-    if tool is None:
-        did_not_run(rt.store, call, f"no worker that took it has the tool {call.tool!r}")
-        return None
-    try:
-        arguments = tool.validate(json.loads(call.arguments))
-    except InvalidArguments as err:
-        did_not_run(rt.store, call, str(err))
-        return None
-    return call, tool, arguments
-
-
-def _claim(rt: Runtime, call: ToolCallRow, owner: str) -> int | None:
-    """The store's compare-and-set claim: queued -> running. Returns the attempt number."""
-    attempt = call.attempts + 1
-    now = time.time()
-    won = rt.store.transition(
-        call.key,
-        CallStatus.RUNNING,
-        allowed={CallStatus.QUEUED},
-        match={"attempts": call.attempts},
-        values={
-            "attempts": attempt,
-            "worker": owner,
-            "lease_expires_at": now + rt.settings.lease_seconds,
-        },
-        detail={"attempt": attempt, "worker": owner},
-        now=now,
-    )
-    return attempt if won else None
 
 
 def _finish(rt: Runtime, key: str, owner: str, to: CallStatus, **values: Any) -> bool:
@@ -271,17 +287,12 @@ def _succeed(rt: Runtime, key: str, owner: str, value: Any) -> None:
 def run_retrying(task: Task, key: str) -> None:
     """Body of the retrying task kind."""
     rt = runtime(task.app)
-    prepared = _prepare(rt, key)
-    if prepared is None:
-        return
-    call, tool, arguments = prepared
-    if call.attempts >= call.max_attempts:
-        _exhausted_before_claim(rt, call)
-        return
     owner = owner_id(task.request.hostname, os.getpid())
-    attempt = _claim(rt, call, owner)
-    if attempt is None:
+    claimed = _claim(rt, key, owner)
+    if claimed is None:
         return
+    call, tool, arguments = claimed
+    attempt = call.attempts
     try:
         value = tool(_context(call, attempt), **arguments)
     except OutcomeUnknownError as err:
@@ -337,18 +348,16 @@ def _schedule_retry(
 def run_single_attempt(task: Task, key: str) -> None:
     """Body of the single-attempt task kind."""
     rt = runtime(task.app)
-    prepared = _prepare(rt, key)
-    if prepared is None:
-        return
-    call, tool, arguments = prepared
     owner = owner_id(task.request.hostname, os.getpid())
     if not claims.try_claim(rt.redis, key, owner, rt.settings.claim_ttl_seconds):
         log.info("claim taken, duplicate ignored", extra={"action": "duplicate_delivery",
                                                           "key": key})
         return
-    attempt = _claim(rt, call, owner)
-    if attempt is None:
+    claimed = _claim(rt, key, owner)
+    if claimed is None:
         return
+    call, tool, arguments = claimed
+    attempt = call.attempts
     try:
         value = tool(_context(call, attempt), **arguments)
     except OutcomeUnknownError as err:

@@ -1,0 +1,116 @@
+"""Clock skew never reaps a live call (issue 11, item 4): leases run on the store's clock.
+
+Processes whose clocks are off by 10 s, made so by libfaketime (``LD_PRELOAD``), on PostgreSQL,
+whose clock (the server's) is the one every lease is written and judged with. (SQLite's clock
+is the machine's, shared by every process that can write the file, so a process with a clock
+of its own is not a SQLite situation: see ``test_store_stalls.py`` for SQLite.)
+
+libfaketime also shifts the monotonic clock, and then the timed waits of Python threads
+(``threading.Event.wait(timeout)``, through ``sem_clockwait``) never return; leaving the
+monotonic clock alone breaks ``time.sleep`` instead. A worker under libfaketime therefore
+cannot run its lease-renewing thread, so the skewed worker below runs calls shorter than one
+lease; renewals meet a skewed reaper in the first test, on a worker with a true clock.
+
+The sweepers here run only the lease reaper. The republisher compares ``published_at`` (the
+publisher's clock) with its own clock; its window (300 s by default) dwarfs any skew a
+machine keeps for long, and what a skew does there is republish early, which the claim makes
+harmless.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dex_tasks import CallStatus, DexClient, DexSettings
+from tests.conftest import StartWorker, fast_settings
+from tests.helpers import Sweeper, faketime_env, started_pid
+from workers import ledger
+
+
+@pytest.fixture
+def settings(redis_url: str, postgres_url: str) -> DexSettings:
+    # A 3 s lease, renewed every second.
+    return fast_settings(redis_url, postgres_url, lease_seconds=3.0)
+
+
+def _calls(client: DexClient, sleep: float) -> list[str]:
+    """A read, an idempotent write and a single-attempt charge, each running ``sleep`` s."""
+    return [
+        client.call_tool(session_id="s", turn_id="t", tool_call_id="read", tool="lookup_order",
+                         arguments={"order_id": "1001", "sleep": sleep}).key,
+        client.call_tool(session_id="s", turn_id="t", tool_call_id="write",
+                         tool="update_address",
+                         arguments={"order_id": "1001", "address": "1 Elm St",
+                                    "sleep": sleep}).key,
+        client.call_tool(session_id="s", turn_id="t", tool_call_id="charge",
+                         tool="charge_card",
+                         arguments={"customer_id": "cu_1", "amount_cents": 5,
+                                    "sleep": sleep}).key,
+    ]
+
+
+def _all_succeeded_once(client: DexClient, keys: list[str], ledger_path: Path) -> None:
+    for key in keys:
+        final = client.wait(key, 60)
+        assert final.status is CallStatus.SUCCEEDED, final.error
+        assert final.attempts == 1
+    assert ledger.executions(ledger_path) == {key: 1 for key in keys}
+
+
+@pytest.fixture
+def sweeper_ahead(env: dict[str, str], tmp_path: Path) -> Iterator[Sweeper]:
+    """The lease reaper every 0.2 s, in a process whose clock is 10 s ahead."""
+    sweeper = Sweeper.start({**env, **faketime_env("+10s")}, tmp_path / "sweeper.log",
+                            "reap_expired_leases")
+    yield sweeper
+    sweeper.stop()
+
+
+def test_a_sweeper_ten_seconds_ahead_reaps_no_live_call(
+    client: DexClient, start_worker: StartWorker, ledger_path: Path, sweeper_ahead: Sweeper,
+) -> None:
+    # Given a sweeper whose clock is 10 s ahead of the store's
+    assert sweeper_ahead.clock() > time.time() + 9
+
+    # When calls run for 6 s (two leases, renewed by their worker) while it reaps every 0.2 s
+    start_worker(concurrency=3)
+    keys = _calls(client, sleep=6)
+    for key in keys:
+        started_pid(ledger_path, key)
+
+    # Then each succeeds on its first attempt, its tool run once, and nothing was reaped
+    _all_succeeded_once(client, keys, ledger_path)
+    rounds = sweeper_ahead.rounds()
+    assert sum(rounds) == 0 and len(rounds) > 10
+
+
+@pytest.fixture
+def sweeper(env: dict[str, str], tmp_path: Path) -> Iterator[Sweeper]:
+    running = Sweeper.start(env, tmp_path / "sweeper.log", "reap_expired_leases")
+    yield running
+    running.stop()
+
+
+def test_a_worker_ten_seconds_behind_gets_whole_leases(
+    client: DexClient, start_worker: StartWorker, ledger_path: Path, sweeper: Sweeper,
+) -> None:
+    # Given a worker whose clock is 10 s behind the store's, and a sweeper reaping every 0.2 s
+    before = time.time()
+    start_worker(concurrency=3, extra_env=faketime_env("-10s"))
+
+    # When it runs calls of 2 s (within one 3 s lease: see the module's doc)
+    keys = _calls(client, sleep=2)
+    for key in keys:
+        started_pid(ledger_path, key)
+
+    # Then each succeeds on its first attempt, its tool run once, and nothing was reaped: the
+    # claim's lease was counted on the store's clock, not from 10 s ago
+    _all_succeeded_once(client, keys, ledger_path)
+    rounds = sweeper.rounds()
+    assert sum(rounds) == 0 and len(rounds) > 5
+    # And the worker's clock really was behind: its tools wrote their ledger lines in the past
+    assert all(entry["at"] < before for entry in ledger.read(ledger_path))
