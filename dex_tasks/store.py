@@ -207,10 +207,17 @@ _CLAIM = (
 _MANY_CHUNK = 200
 
 
-def _returning(to: CallStatus, postgres: bool) -> tuple[Any, ...]:
-    """What a transition's UPDATE returns: what its event row needs, plus, for a terminal
-    move on PostgreSQL, the session's delivery lock (see ``_DELIVERY_LOCK_RETURNING``)."""
-    columns = (CALLS.c.session_id, CALLS.c.prev_status)
+def _returning(to: CallStatus) -> tuple[Any, ...]:
+    """What the UPDATE of a move to ``to`` returns, for what ``Store._record`` writes: the
+    event row needs these three columns (a terminal move's transcript message would add the
+    call's columns it is built from here)."""
+    return (CALLS.c.key, CALLS.c.session_id, CALLS.c.prev_status)
+
+
+def _returning_one(to: CallStatus, postgres: bool) -> tuple[Any, ...]:
+    """:func:`_returning` for a single transition, which on PostgreSQL also takes a terminal
+    move's delivery lock there (see ``_DELIVERY_LOCK_RETURNING``)."""
+    columns = _returning(to)
     return (*columns, _DELIVERY_LOCK_RETURNING) if to.terminal and postgres else columns
 
 
@@ -229,8 +236,17 @@ def _transition_statement(
         # we moved from, for the event row.
         .values(prev_status=CALLS.c.status, status=to.value,
                 **{k: bindparam(f"v_{k}") for k in fields})
-        .returning(*_returning(to, postgres))
+        .returning(*_returning_one(to, postgres))
     )
+
+
+def _event_row(row: Any, to: CallStatus, detail: Mapping[str, Any] | None,
+               now: float) -> dict[str, Any]:
+    """The event row of one move: ``row`` is what its UPDATE returned."""
+    return {"session_id": row.session_id, "key": row.key, "event": event_name(to),
+            "from_status": row.prev_status, "to_status": to.value,
+            "detail": json.dumps(dict(detail), default=str) if detail else None,
+            "created_at": now}
 
 
 def _bound(column: str, value: Any) -> Any:
@@ -258,10 +274,6 @@ class Move:
     match: Mapping[str, Any] = field(default_factory=dict)
     values: Mapping[str, Any] = field(default_factory=dict)
     detail: Mapping[str, Any] | None = None
-
-
-Moved = tuple[str, str, "str | None", "Mapping[str, Any] | None"]
-"""A call that moved, for its event row: key, session, the status it left, the detail."""
 
 
 def _sources(what: str, to: CallStatus,
@@ -437,7 +449,7 @@ class Store:
                 .where(CALLS.c.key == key, CALLS.c.status.in_([s.value for s in sources]),
                        *guards)
                 .values(prev_status=CALLS.c.status, status=to.value, **fields)
-                .returning(*_returning(to, self.is_postgres))
+                .returning(*_returning_one(to, self.is_postgres))
             )
         if conn is not None:
             return self._transition_in(conn, stmt, params, key, to, detail, now) is not None
@@ -465,17 +477,20 @@ class Store:
         if row is None:
             return None
         # A terminal move on PostgreSQL took the session's delivery lock in its RETURNING.
-        self._record(conn, to, [(key, row.session_id, row.prev_status, detail)], now,
-                     locked=True)
+        self._record(conn, to, [row], {key: detail}, now, locked=True)
         return row
 
-    def _record(self, conn: Connection, to: CallStatus, moved: Sequence[Moved], now: float, *,
+    def _record(self, conn: Connection, to: CallStatus, moved: Sequence[Any],
+                details: Mapping[str, Mapping[str, Any] | None], now: float, *,
                 locked: bool) -> None:
         """What every move writes besides the status, in the mover's transaction.
 
+        ``moved`` are the rows the UPDATE returned (:func:`_returning`), ``details`` each
+        one's event detail by key.
+
         1. One event row per call that moved.
-        2. On a move to a terminal status, the session's transcript gets each call's tool
-           message here (the sessions work: built from the UPDATE's RETURNING columns).
+        2. (The place of the transcript's tool message of each call that became terminal:
+           the same transaction, built from the returned row.)
         3. On a move to a terminal status, a turn may have just ended: the queued user
            messages of the sessions touched are delivered here, so no code path that ends a
            call can forget them. Sessions with no message queued skip the delivery statement:
@@ -483,12 +498,7 @@ class Store:
 
         ``locked``: this transaction already holds the sessions' delivery locks (PostgreSQL).
         """
-        events: list[dict[str, Any]] = [
-            {"session_id": session_id, "key": key, "event": event_name(to),
-             "from_status": left, "to_status": to.value,
-             "detail": json.dumps(dict(detail), default=str) if detail else None,
-             "created_at": now}
-            for key, session_id, left, detail in moved]
+        events = [_event_row(row, to, details[row.key], now) for row in moved]
         if not events:
             return
         if not to.terminal:
@@ -546,9 +556,8 @@ class Store:
                                                 {"worker": owner, "updated_at": now})
                 return (landed, vet(landed)) if landed else None
             vetted = vet(row)
-            self._record(tx, CallStatus.RUNNING,
-                         [(key, row.session_id, row.prev_status,
-                           {"attempt": row.attempts, "worker": owner})], now, locked=False)
+            self._record(tx, CallStatus.RUNNING, [row],
+                         {key: {"attempt": row.attempts, "worker": owner}}, now, locked=False)
             return row, vetted
 
         return self._retrying(attempt)
@@ -615,11 +624,9 @@ class Store:
             update(CALLS)
             .where(CALLS.c.status.in_(sorted(s.value for s in sources)), guard)
             .values(prev_status=CALLS.c.status, status=to.value, **fields)
-            .returning(CALLS.c.key, CALLS.c.session_id, CALLS.c.prev_status)
+            .returning(*_returning(to))
         ).all()
-        details = {m.key: m.detail for m in chunk}
-        self._record(conn, to, [(r.key, r.session_id, r.prev_status, details[r.key])
-                                for r in rows], now, locked=False)
+        self._record(conn, to, rows, {m.key: m.detail for m in chunk}, now, locked=False)
         return {r.key for r in rows}
 
     @staticmethod
