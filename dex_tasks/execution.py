@@ -210,22 +210,22 @@ def _claim(rt: Runtime, key: str, owner: str) -> tuple[ToolCallRow, Any, dict[st
     def vet(row: Any) -> tuple[Any, dict[str, Any]]:
         # ``now`` is the claim's, not read again here: a claim retried after its connection
         # was lost must decide as the try that committed did.
-        before = ToolCallRow.model_validate({
-            **row._mapping, "status": CallStatus.QUEUED.value, "attempts": row.attempts - 1,
-            "worker": None, "lease_expires_at": None, "prev_status": None})
-        if row.expires_at is not None and now > row.expires_at:
-            raise _CannotRun("it expired in the queue before a worker started it", before)
         tool = get_local_tool(row.tool)
-        if tool is None:
-            raise _CannotRun(f"no worker that took it has the tool {row.tool!r}", before)
-        try:
-            arguments = tool.validate(json.loads(row.arguments))
-        except InvalidArguments as err:
-            raise _CannotRun(str(err), before) from None
-        if before.attempts >= row.max_attempts:
-            raise _CannotRun(f"the worker was lost during each of the {before.attempts} "
-                             "attempts", before, exhausted=True)
-        return tool, arguments
+        if row.expires_at is not None and now > row.expires_at:
+            why = "it expired in the queue before a worker started it"
+        elif tool is None:
+            why = f"no worker that took it has the tool {row.tool!r}"
+        else:
+            try:
+                arguments = tool.validate(json.loads(row.arguments))
+            except InvalidArguments as err:
+                why = str(err)
+            else:
+                if row.attempts <= row.max_attempts:
+                    return tool, arguments
+                raise _CannotRun(f"the worker was lost during each of the {row.attempts - 1} "
+                                 "attempts", _before_claim(row), exhausted=True)
+        raise _CannotRun(why, _before_claim(row))
 
     try:
         claimed = rt.store.claim(key, owner, rt.settings.lease_seconds, vet, now=now)
@@ -241,6 +241,13 @@ def _claim(rt: Runtime, key: str, owner: str) -> tuple[ToolCallRow, Any, dict[st
         return None
     row, (tool, arguments) = claimed
     return cast(ToolCallRow, row), tool, arguments
+
+
+def _before_claim(row: Any) -> ToolCallRow:
+    """The call as it was before the claim that returned ``row`` (which is rolled back)."""
+    return ToolCallRow.model_validate({
+        **row._mapping, "status": CallStatus.QUEUED.value, "attempts": row.attempts - 1,
+        "worker": None, "lease_expires_at": None, "prev_status": None})
 
 
 def _exhausted_before_claim(rt: Runtime, call: ToolCallRow, why: str) -> None:
