@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -90,22 +91,43 @@ def sqlite_engine(url: str, *, immediate: bool) -> Engine:
     return engine
 
 
-def server_engine(url: str, *, pre_ping: bool) -> Engine:
+def server_engine(url: str, *, ping_after_idle: float | None) -> Engine:
     """A pooled engine for a database server (PostgreSQL).
 
-    ``pre_ping`` tests each connection with a round trip as it leaves the pool, so a process
-    that sat idle while the server (or a proxy, or ``idle_session_timeout``) closed its
-    connections never sees the error: agent processes and the API, which idle between bursts.
-    Workers go without it, since it would cost a round trip per transaction, several per
-    call: they retry their statements across a reconnect instead (``Store``).
+    ``ping_after_idle`` (seconds): a pooled connection that sat idle at least that long is
+    tested with a round trip before use, and replaced if the server (a proxy, an idle timeout,
+    an operator) closed it meanwhile: for agent processes and the API, which idle between
+    bursts and would otherwise see their first statement after a pause fail. Under load the
+    pool hands out connections used moments ago, which are not pinged, so the ping costs
+    nothing there (``pool_pre_ping`` would cost a round trip on every transaction). ``None``
+    for workers: they retry their statements across a reconnect instead (``Store``).
     """
     connect_args: dict[str, Any] = {}
     if make_url(url).get_driver_name() == "psycopg":
         connect_args["prepare_threshold"] = PREPARE_THRESHOLD
     engine = create_engine(url, pool_size=5, max_overflow=10, pool_recycle=1800,
-                           pool_pre_ping=pre_ping, connect_args=connect_args)
+                           connect_args=connect_args)
     _guard_fork(engine)
+    if ping_after_idle is not None:
+        _ping_after_idle(engine, ping_after_idle)
     return engine
+
+
+def _ping_after_idle(engine: Engine, seconds: float) -> None:
+    @event.listens_for(engine, "checkin")
+    def _idle_from(_dbapi_conn: Any, record: Any) -> None:
+        record.info["idle_from"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _ping_if_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        idle_from = record.info.get("idle_from")
+        if idle_from is None or time.monotonic() - idle_from < seconds:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_conn)
+        except Exception as err:
+            # The pool discards this connection and opens a new one.
+            raise DisconnectionError("a pooled connection that sat idle was closed") from err
 
 
 def retryable(err: DBAPIError, *, sqlite: bool) -> bool:

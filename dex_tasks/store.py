@@ -296,12 +296,13 @@ class Store:
 
     ``retry_seconds`` bounds how long the store's own operations (transitions, the claim,
     lease renewals, single-call reads and inserts) keep trying across lost connections and a
-    busy database. ``pre_ping`` tests pooled server connections before use; for processes
-    that idle (see ``connections.server_engine``).
+    busy database. ``ping_after_idle`` tests a pooled server connection that sat idle that
+    many seconds before using it; for processes that idle (see
+    ``connections.server_engine``).
     """
 
     def __init__(self, database_url: str, *, retry_seconds: float = 5.0,
-                 pre_ping: bool = False) -> None:
+                 ping_after_idle: float | None = None) -> None:
         self.url = database_url
         self.retry_seconds = retry_seconds
         self.is_sqlite = database_url.startswith("sqlite")
@@ -309,7 +310,7 @@ class Store:
             self.engine = sqlite_engine(database_url, immediate=True)
             self.read_engine = sqlite_engine(database_url, immediate=False)
         else:
-            self.engine = server_engine(database_url, pre_ping=pre_ping)
+            self.engine = server_engine(database_url, ping_after_idle=ping_after_idle)
             self.read_engine = self.engine
         self.is_postgres = self.engine.dialect.name == "postgresql"
 

@@ -25,7 +25,7 @@ from dex_tasks.execution import Runtime
 from dex_tasks.store import Move, Store
 from dex_tasks.sweeps import run_job
 from tests.conftest import StartWorker, fast_settings
-from tests.helpers import TcpProxy, started_pid
+from tests.helpers import TcpProxy, started_pid, wait_until
 from tests.test_store import call_row
 from workers import ledger
 
@@ -243,11 +243,13 @@ def test_tools_that_finish_while_the_store_is_cut_end_succeeded_and_run_once(
 def test_the_client_and_workers_recover_when_the_server_closes_idle_connections(
     client: DexClient, start_worker: StartWorker, ledger_path: Path, postgres_url: str,
 ) -> None:
-    # Given a client and a worker that have used the store and now sit idle
+    # Given a client and a worker that have used the store and now sit idle for a while
     start_worker(concurrency=1)
     first = client.call_tool(session_id="s", turn_id="t", tool_call_id="c1",
                              tool="lookup_order", arguments={"order_id": "1001"})
     assert client.wait(first.key, 30).status is CallStatus.SUCCEEDED
+    idle_from = time.monotonic()
+    wait_until(lambda: time.monotonic() > idle_from + 1.5, 10, "the client to idle")
 
     # When the server ends every session of the database (an idle timeout, an operator)
     admin = create_engine(postgres_url.rsplit("/", 1)[0] + "/postgres",
@@ -260,7 +262,10 @@ def test_the_client_and_workers_recover_when_the_server_closes_idle_connections(
     admin.dispose()
     assert ended and ended >= 2
 
-    # Then the client's next calls work, and the worker claims and finishes the new call
+    # Then the client's next calls work, reads of a whole session included (its pooled
+    # connections had idled, so they are tested before use), and the worker claims and
+    # finishes a new call (its claim retried on a new connection)
+    assert [c.key for c in client.get_agent_snapshot("s").tool_calls] == [first.key]
     assert client.get_tool_call(first.key).status is CallStatus.SUCCEEDED
     second = client.call_tool(session_id="s", turn_id="t", tool_call_id="c2",
                               tool="lookup_order", arguments={"order_id": "1002"})
