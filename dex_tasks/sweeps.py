@@ -91,6 +91,9 @@ def reap_expired_leases(rt: Runtime, now: float | None = None, *,
             moves[call.key] = (call, replace(move, match=guard))
     moved = rt.store.transition_many([move for _, move in moves.values()],
                                      allowed={CallStatus.RUNNING}, now=stamp)
+    if len(moved) < len(moves):
+        log.warning("leases ran out but were renewed before the reap (did the store stall?)",
+                    extra={"action": "lease_renewed_late", "count": len(moves) - len(moved)})
     for key in moved:
         call, move = moves[key]
         with _one_row("reap_expired_leases", key):

@@ -242,11 +242,9 @@ class Sweeper:
 
     @classmethod
     def start(cls, env: dict[str, str], log_path: Path, *jobs: str) -> Sweeper:
-        with open(log_path, "ab") as out:
+        with open(log_path, "ab") as out, open(log_path.with_suffix(".err"), "ab") as err:
             proc = subprocess.Popen([sys.executable, "-m", "tests.sweeper", *jobs], cwd=ROOT,
-                                    env=env,
-                                    stdout=out, stderr=subprocess.DEVNULL,
-                                    start_new_session=True)
+                                    env=env, stdout=out, stderr=err, start_new_session=True)
         sweeper = cls(proc, log_path)
         wait_until(lambda: sweeper._lines() or sweeper._exited(), 30, "the sweeper to start")
         return sweeper
@@ -259,6 +257,11 @@ class Sweeper:
     def _lines(self) -> list[dict[str, float]]:
         text = self.log_path.read_text() if self.log_path.exists() else ""
         return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+    def log(self) -> str:
+        """What the sweeper logged (its standard error)."""
+        path = self.log_path.with_suffix(".err")
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def clock(self) -> float:
         """The sweeper's own ``time.time()`` when it started."""

@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 COMMIT = b"COMMIT\x00"
@@ -84,44 +85,26 @@ class Proxy:
             self.links.discard(link)
 
     async def client_to_server(self, reader: asyncio.StreamReader, link: Link) -> None:
-        while True:
-            try:
-                data = await reader.read(65536)
-            except OSError:
-                data = b""
-            if not data:
-                link.close()
-                return
+        async for data in _chunks(reader):
             if self.armed is not None and COMMIT in data:
                 mode, self.armed = self.armed, None
                 self.commits_lost += 1
                 if mode == "lose-commit":
-                    link.close()
-                    return
+                    break
                 link.swallow = True
-            link.server.write(data)
-            with contextlib.suppress(OSError):
-                await link.server.drain()
+            await _send(link.server, data)
+        link.close()
 
     async def server_to_client(self, reader: asyncio.StreamReader, link: Link) -> None:
-        while True:
-            try:
-                data = await reader.read(65536)
-            except OSError:
-                data = b""
-            if not data:
-                link.close()
-                return
+        async for data in _chunks(reader):
             if link.swallow:
                 # The server has answered the COMMIT (it is durable now): drop the answer and
                 # hang up on both sides.
                 if READY_FOR_QUERY in data:
-                    link.close()
-                    return
+                    break
                 continue
-            link.client.write(data)
-            with contextlib.suppress(OSError):
-                await link.client.drain()
+            await _send(link.client, data)
+        link.close()
 
     def close_all(self) -> int:
         links = list(self.links)
@@ -149,6 +132,24 @@ class Proxy:
             writer.write(reply.encode() + b"\n")
             await writer.drain()
         writer.close()
+
+
+async def _chunks(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """What arrives on ``reader``, until it closes or fails."""
+    while True:
+        try:
+            data = await reader.read(65536)
+        except OSError:
+            return
+        if not data:
+            return
+        yield data
+
+
+async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:
+    writer.write(data)
+    with contextlib.suppress(OSError):
+        await writer.drain()
 
 
 async def main() -> None:

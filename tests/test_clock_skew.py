@@ -20,7 +20,7 @@ harmless.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -37,9 +37,12 @@ def settings(redis_url: str, postgres_url: str) -> DexSettings:
     return fast_settings(redis_url, postgres_url, lease_seconds=3.0)
 
 
-def _calls(client: DexClient, sleep: float) -> list[str]:
-    """A read, an idempotent write and a single-attempt charge, each running ``sleep`` s."""
-    return [
+def _calls_run_once_unreaped(client: DexClient, ledger_path: Path, sweeper: Sweeper,
+                             sleep: float) -> None:
+    """A read, an idempotent write and a single-attempt charge, each running ``sleep`` s while
+    ``sweeper`` reaps: each must succeed on its first attempt, its tool run once, and the
+    sweeper must have moved nothing."""
+    keys = [
         client.call_tool(session_id="s", turn_id="t", tool_call_id="read", tool="lookup_order",
                          arguments={"order_id": "1001", "sleep": sleep}).key,
         client.call_tool(session_id="s", turn_id="t", tool_call_id="write",
@@ -51,66 +54,60 @@ def _calls(client: DexClient, sleep: float) -> list[str]:
                          arguments={"customer_id": "cu_1", "amount_cents": 5,
                                     "sleep": sleep}).key,
     ]
-
-
-def _all_succeeded_once(client: DexClient, keys: list[str], ledger_path: Path) -> None:
+    for key in keys:
+        started_pid(ledger_path, key)
     for key in keys:
         final = client.wait(key, 60)
         assert final.status is CallStatus.SUCCEEDED, final.error
         assert final.attempts == 1
     assert ledger.executions(ledger_path) == {key: 1 for key in keys}
+    rounds = sweeper.rounds()
+    assert sum(rounds) == 0 and len(rounds) > 5
 
 
 @pytest.fixture
-def sweeper_ahead(env: dict[str, str], tmp_path: Path) -> Iterator[Sweeper]:
-    """The lease reaper every 0.2 s, in a process whose clock is 10 s ahead."""
-    sweeper = Sweeper.start({**env, **faketime_env("+10s")}, tmp_path / "sweeper.log",
-                            "reap_expired_leases")
-    yield sweeper
-    sweeper.stop()
+def sweepers(env: dict[str, str], tmp_path: Path) -> Iterator[Callable[..., Sweeper]]:
+    """Start lease-reaping processes (every 0.2 s), with a clock offset if given."""
+    started: list[Sweeper] = []
+
+    def start(offset: str | None = None) -> Sweeper:
+        clock = faketime_env(offset) if offset else {}
+        sweeper = Sweeper.start({**env, **clock}, tmp_path / f"sweeper-{len(started)}.log",
+                                "reap_expired_leases")
+        started.append(sweeper)
+        return sweeper
+
+    yield start
+    for sweeper in started:
+        sweeper.stop()
 
 
 def test_a_sweeper_ten_seconds_ahead_reaps_no_live_call(
-    client: DexClient, start_worker: StartWorker, ledger_path: Path, sweeper_ahead: Sweeper,
+    client: DexClient, start_worker: StartWorker, ledger_path: Path,
+    sweepers: Callable[..., Sweeper],
 ) -> None:
     # Given a sweeper whose clock is 10 s ahead of the store's
+    sweeper_ahead = sweepers("+10s")
     assert sweeper_ahead.clock() > time.time() + 9
 
-    # When calls run for 6 s (two leases, renewed by their worker) while it reaps every 0.2 s
+    # When calls run for 6 s (two leases, renewed by their worker) while it reaps every 0.2 s,
+    # then each succeeds on its first attempt, its tool run once, and nothing was reaped
     start_worker(concurrency=3)
-    keys = _calls(client, sleep=6)
-    for key in keys:
-        started_pid(ledger_path, key)
-
-    # Then each succeeds on its first attempt, its tool run once, and nothing was reaped
-    _all_succeeded_once(client, keys, ledger_path)
-    rounds = sweeper_ahead.rounds()
-    assert sum(rounds) == 0 and len(rounds) > 10
-
-
-@pytest.fixture
-def sweeper(env: dict[str, str], tmp_path: Path) -> Iterator[Sweeper]:
-    running = Sweeper.start(env, tmp_path / "sweeper.log", "reap_expired_leases")
-    yield running
-    running.stop()
+    _calls_run_once_unreaped(client, ledger_path, sweeper_ahead, sleep=6)
 
 
 def test_a_worker_ten_seconds_behind_gets_whole_leases(
-    client: DexClient, start_worker: StartWorker, ledger_path: Path, sweeper: Sweeper,
+    client: DexClient, start_worker: StartWorker, ledger_path: Path,
+    sweepers: Callable[..., Sweeper],
 ) -> None:
     # Given a worker whose clock is 10 s behind the store's, and a sweeper reaping every 0.2 s
     before = time.time()
     start_worker(concurrency=3, extra_env=faketime_env("-10s"))
+    sweeper = sweepers()
 
-    # When it runs calls of 2 s (within one 3 s lease: see the module's doc)
-    keys = _calls(client, sleep=2)
-    for key in keys:
-        started_pid(ledger_path, key)
-
-    # Then each succeeds on its first attempt, its tool run once, and nothing was reaped: the
-    # claim's lease was counted on the store's clock, not from 10 s ago
-    _all_succeeded_once(client, keys, ledger_path)
-    rounds = sweeper.rounds()
-    assert sum(rounds) == 0 and len(rounds) > 5
+    # When it runs calls of 2 s (within one 3 s lease: see the module's doc), then each
+    # succeeds on its first attempt, its tool run once, and nothing was reaped: the claim's
+    # lease was counted on the store's clock, not from 10 s ago
+    _calls_run_once_unreaped(client, ledger_path, sweeper, sleep=2)
     # And the worker's clock really was behind: its tools wrote their ledger lines in the past
     assert all(entry["at"] < before for entry in ledger.read(ledger_path))

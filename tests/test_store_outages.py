@@ -12,7 +12,6 @@ connections the server closed.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,9 +20,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from dex_tasks import CallStatus, DexClient, DexSettings, StoreUnavailableError
-from dex_tasks.execution import Runtime
 from dex_tasks.store import Move, Store
-from dex_tasks.sweeps import run_job
 from tests.conftest import StartWorker, fast_settings
 from tests.helpers import TcpProxy, started_pid, wait_until
 from tests.test_store import call_row
@@ -50,12 +47,6 @@ def proxied(postgres_url: str, proxy: TcpProxy) -> Iterator[Store]:
 
 def _events(store: Store, key: str) -> list[tuple[str | None, str]]:
     return [(e.from_status, e.to_status) for e in store.events_for_call(key)]
-
-
-def _in(seconds: float, fn: object) -> threading.Timer:
-    timer = threading.Timer(seconds, fn)  # type: ignore[arg-type]
-    timer.start()
-    return timer
 
 
 # -- the store across a reconnect ----------------------------------------------------------------
@@ -172,51 +163,37 @@ def settings(redis_url: str, postgres_url: str, proxy: TcpProxy) -> DexSettings:
     return fast_settings(redis_url, proxy.url(postgres_url), lease_seconds=3.0)
 
 
-@pytest.fixture
-def sweeping(rt: Runtime) -> Iterator[list[int]]:
-    """The lease reaper and the republisher every 0.2 s (errors while cut are expected)."""
-    moved: list[int] = []
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.wait(0.2):
-            for job in ("reap_expired_leases", "republish_stranded"):
-                try:
-                    moved.append(run_job(rt, job))
-                except StoreUnavailableError:
-                    pass
-
-    thread = threading.Thread(target=loop, name="test-sweeper", daemon=True)
-    thread.start()
-    yield moved
-    stop.set()
-    thread.join(30)
+def _three_calls(client: DexClient, name: str, sleep: float) -> list[str]:
+    """A read, an idempotent write and a single-attempt charge whose tools take ``sleep``."""
+    return [
+        client.call_tool(session_id="s", turn_id="t", tool_call_id=f"read-{name}",
+                         tool="lookup_order",
+                         arguments={"order_id": "1001", "sleep": sleep}).key,
+        client.call_tool(session_id="s", turn_id="t", tool_call_id=f"write-{name}",
+                         tool="update_address",
+                         arguments={"order_id": "1001", "address": "1 Elm St",
+                                    "sleep": sleep}).key,
+        client.call_tool(session_id="s", turn_id="t", tool_call_id=f"charge-{name}",
+                         tool="charge_card",
+                         arguments={"customer_id": "cu_1", "amount_cents": 5,
+                                    "sleep": sleep}).key,
+    ]
 
 
 def test_tools_that_finish_while_the_store_is_cut_end_succeeded_and_run_once(
     client: DexClient, start_worker: StartWorker, proxy: TcpProxy, ledger_path: Path,
-    sweeping: list[int], postgres_url: str,
+    sweeping: list[int], postgres_url: str, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # Given reads, idempotent writes and single-attempt charges whose tools take 3 s
-    worker = start_worker(concurrency=6)
-    calls = []
-    for i in range(2):
-        calls.append(client.call_tool(session_id="s", turn_id="t", tool_call_id=f"read{i}",
-                                      tool="lookup_order",
-                                      arguments={"order_id": "1001", "sleep": 3.0}).key)
-        calls.append(client.call_tool(session_id="s", turn_id="t", tool_call_id=f"write{i}",
-                                      tool="update_address",
-                                      arguments={"order_id": "1001", "address": "1 Elm St",
-                                                 "sleep": 3.0}).key)
-        calls.append(client.call_tool(session_id="s", turn_id="t", tool_call_id=f"charge{i}",
-                                      tool="charge_card",
-                                      arguments={"customer_id": "cu_1", "amount_cents": 5,
-                                                 "sleep": 3.0}).key)
-    for key in calls:
+    # Given calls on every path whose tools take 3 s, and calls whose tools take 7 s
+    caplog.set_level("WARNING", logger="dex_tasks.sweeps")
+    worker = start_worker(concurrency=9)
+    during = [*_three_calls(client, "a", 3.0), *_three_calls(client, "b", 3.0)]
+    after = _three_calls(client, "c", 7.0)
+    for key in [*during, *after]:
         started_pid(ledger_path, key)
 
-    # When the store goes away for 4 s (longer than a lease) while every tool is running, so
-    # that each one finishes during the cut
+    # When the store goes away for 4 s (longer than a lease) while every tool is running: the
+    # short ones finish during the cut, the long ones after it, their leases run out meanwhile
     closed = proxy.cut(4.0)
     cut_at = time.time()
 
@@ -224,19 +201,25 @@ def test_tools_that_finish_while_the_store_is_cut_end_succeeded_and_run_once(
     # by an observer that is not behind the proxy)
     with DexClient(client.settings.model_copy(update={"database_url": postgres_url}),
                    create_tables=False) as observer:
-        finals = [observer.wait(key, 60) for key in calls]
+        finals = {key: observer.wait(key, 60) for key in [*during, *after]}
         events = {key: [e.to_status for e in observer.store.events_for_call(key)]
-                  for key in calls}
+                  for key in finals}
     assert closed > 0
-    for final in finals:
+    for key, final in finals.items():
         assert final.status is CallStatus.SUCCEEDED, final.error
         assert final.attempts == 1
-        # (finished_at is when the tool returned: during the cut, so it was recorded after)
-        assert final.finished_at is not None and final.finished_at.timestamp() > cut_at
-        assert events[final.key] == ["queued", "running", "succeeded"]
-    assert ledger.executions(ledger_path) == {key: 1 for key in calls}
-    # And the reaper, sweeping all along, took no live call
+        assert events[key] == ["queued", "running", "succeeded"]
+        assert final.finished_at is not None
+        # (finished_at is when the tool returned)
+        if key in during:
+            assert cut_at < final.finished_at.timestamp() < cut_at + 4
+        else:
+            assert final.finished_at.timestamp() > cut_at + 4
+    assert ledger.executions(ledger_path) == {key: 1 for key in finals}
+    # And the reaper, sweeping all along, took no live call, though it found their leases
+    # run out once the store was back
     assert sum(sweeping) == 0 and len(sweeping) > 10
+    assert any(getattr(r, "action", None) == "lease_renewed_late" for r in caplog.records)
     assert "store_retry" in worker.log()
 
 
