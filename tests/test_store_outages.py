@@ -182,10 +182,9 @@ def _three_calls(client: DexClient, name: str, sleep: float) -> list[str]:
 
 def test_tools_that_finish_while_the_store_is_cut_end_succeeded_and_run_once(
     client: DexClient, start_worker: StartWorker, proxy: TcpProxy, ledger_path: Path,
-    sweeping: list[int], postgres_url: str, caplog: pytest.LogCaptureFixture,
+    sweeping: list[int], postgres_url: str,
 ) -> None:
     # Given calls on every path whose tools take 3 s, and calls whose tools take 7 s
-    caplog.set_level("WARNING", logger="dex_tasks.sweeps")
     worker = start_worker(concurrency=9)
     during = [*_three_calls(client, "a", 3.0), *_three_calls(client, "b", 3.0)]
     after = _three_calls(client, "c", 7.0)
@@ -216,10 +215,10 @@ def test_tools_that_finish_while_the_store_is_cut_end_succeeded_and_run_once(
         else:
             assert final.finished_at.timestamp() > cut_at + 4
     assert ledger.executions(ledger_path) == {key: 1 for key in finals}
-    # And the reaper, sweeping all along, took no live call, though it found their leases
-    # run out once the store was back
+    # And the reaper, sweeping all along, took no live call (whether it met a lease that ran
+    # out during the cut before or after its renewal landed depends on which retried first;
+    # test_store_stalls.py makes the reaper meet one every time)
     assert sum(sweeping) == 0 and len(sweeping) > 10
-    assert any(getattr(r, "action", None) == "lease_renewed_late" for r in caplog.records)
     assert "store_retry" in worker.log()
 
 
