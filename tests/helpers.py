@@ -12,7 +12,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 
@@ -292,3 +292,21 @@ def faketime_env(offset: str) -> dict[str, str]:
             pytest.fail(message)
         pytest.skip(message)
     return {"LD_PRELOAD": libraries[0], "FAKETIME": offset}
+
+
+def calls_on_every_path(client: Any, name: str, sleep: float) -> list[str]:
+    """Start a read, an idempotent write and a single-attempt charge of the example tools
+    whose tools take ``sleep`` seconds; their keys. ``client`` is a ``DexClient``."""
+    return [
+        client.call_tool(session_id="s", turn_id="t", tool_call_id=f"read-{name}",
+                         tool="lookup_order",
+                         arguments={"order_id": "1001", "sleep": sleep}).key,
+        client.call_tool(session_id="s", turn_id="t", tool_call_id=f"write-{name}",
+                         tool="update_address",
+                         arguments={"order_id": "1001", "address": "1 Elm St",
+                                    "sleep": sleep}).key,
+        client.call_tool(session_id="s", turn_id="t", tool_call_id=f"charge-{name}",
+                         tool="charge_card",
+                         arguments={"customer_id": "cu_1", "amount_cents": 5,
+                                    "sleep": sleep}).key,
+    ]

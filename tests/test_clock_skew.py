@@ -27,7 +27,7 @@ import pytest
 
 from dex_tasks import CallStatus, DexClient, DexSettings
 from tests.conftest import StartWorker, fast_settings
-from tests.helpers import Sweeper, faketime_env, started_pid
+from tests.helpers import Sweeper, calls_on_every_path, faketime_env, started_pid
 from workers import ledger
 
 
@@ -42,18 +42,7 @@ def _calls_run_once_unreaped(client: DexClient, ledger_path: Path, sweeper: Swee
     """A read, an idempotent write and a single-attempt charge, each running ``sleep`` s while
     ``sweeper`` reaps: each must succeed on its first attempt, its tool run once, and the
     sweeper must have moved nothing."""
-    keys = [
-        client.call_tool(session_id="s", turn_id="t", tool_call_id="read", tool="lookup_order",
-                         arguments={"order_id": "1001", "sleep": sleep}).key,
-        client.call_tool(session_id="s", turn_id="t", tool_call_id="write",
-                         tool="update_address",
-                         arguments={"order_id": "1001", "address": "1 Elm St",
-                                    "sleep": sleep}).key,
-        client.call_tool(session_id="s", turn_id="t", tool_call_id="charge",
-                         tool="charge_card",
-                         arguments={"customer_id": "cu_1", "amount_cents": 5,
-                                    "sleep": sleep}).key,
-    ]
+    keys = calls_on_every_path(client, "skew", sleep)
     for key in keys:
         started_pid(ledger_path, key)
     for key in keys:

@@ -22,7 +22,7 @@ from sqlalchemy import create_engine, text
 from dex_tasks import CallStatus, DexClient, DexSettings, StoreUnavailableError
 from dex_tasks.store import Move, Store
 from tests.conftest import StartWorker, fast_settings
-from tests.helpers import TcpProxy, started_pid, wait_until
+from tests.helpers import TcpProxy, calls_on_every_path, started_pid, wait_until
 from tests.test_store import call_row
 from workers import ledger
 
@@ -163,31 +163,14 @@ def settings(redis_url: str, postgres_url: str, proxy: TcpProxy) -> DexSettings:
     return fast_settings(redis_url, proxy.url(postgres_url), lease_seconds=3.0)
 
 
-def _three_calls(client: DexClient, name: str, sleep: float) -> list[str]:
-    """A read, an idempotent write and a single-attempt charge whose tools take ``sleep``."""
-    return [
-        client.call_tool(session_id="s", turn_id="t", tool_call_id=f"read-{name}",
-                         tool="lookup_order",
-                         arguments={"order_id": "1001", "sleep": sleep}).key,
-        client.call_tool(session_id="s", turn_id="t", tool_call_id=f"write-{name}",
-                         tool="update_address",
-                         arguments={"order_id": "1001", "address": "1 Elm St",
-                                    "sleep": sleep}).key,
-        client.call_tool(session_id="s", turn_id="t", tool_call_id=f"charge-{name}",
-                         tool="charge_card",
-                         arguments={"customer_id": "cu_1", "amount_cents": 5,
-                                    "sleep": sleep}).key,
-    ]
-
-
 def test_tools_that_finish_while_the_store_is_cut_end_succeeded_and_run_once(
     client: DexClient, start_worker: StartWorker, proxy: TcpProxy, ledger_path: Path,
     sweeping: list[int], postgres_url: str,
 ) -> None:
     # Given calls on every path whose tools take 3 s, and calls whose tools take 7 s
     worker = start_worker(concurrency=9)
-    during = [*_three_calls(client, "a", 3.0), *_three_calls(client, "b", 3.0)]
-    after = _three_calls(client, "c", 7.0)
+    during = [*calls_on_every_path(client, "a", 3.0), *calls_on_every_path(client, "b", 3.0)]
+    after = calls_on_every_path(client, "c", 7.0)
     for key in [*during, *after]:
         started_pid(ledger_path, key)
 

@@ -19,7 +19,7 @@ import pytest
 
 from dex_tasks import CallStatus, DexClient, DexSettings
 from tests.conftest import StartWorker, fast_settings
-from tests.helpers import Sweeper, started_pid
+from tests.helpers import Sweeper, calls_on_every_path, started_pid
 from workers import ledger
 
 # Holds the database's write lock (BEGIN IMMEDIATE) for argv[2] seconds: a long migration, a
@@ -55,21 +55,7 @@ def test_a_write_lock_held_8s_by_another_process_reaps_no_live_call(
     # Given reads, idempotent writes and single-attempt charges running, some ending during
     # the stall below and some after it
     start_worker(concurrency=6)
-    keys = []
-    for i, sleep in enumerate((2, 12)):
-        keys += [
-            client.call_tool(session_id="s", turn_id="t", tool_call_id=f"read{i}",
-                             tool="lookup_order",
-                             arguments={"order_id": "1001", "sleep": sleep}).key,
-            client.call_tool(session_id="s", turn_id="t", tool_call_id=f"write{i}",
-                             tool="update_address",
-                             arguments={"order_id": "1001", "address": "1 Elm St",
-                                        "sleep": sleep}).key,
-            client.call_tool(session_id="s", turn_id="t", tool_call_id=f"charge{i}",
-                             tool="charge_card",
-                             arguments={"customer_id": "cu_1", "amount_cents": 5,
-                                        "sleep": sleep}).key,
-        ]
+    keys = [*calls_on_every_path(client, "short", 2), *calls_on_every_path(client, "long", 12)]
     for key in keys:
         started_pid(ledger_path, key)
 
