@@ -21,6 +21,7 @@ SQLite gets no statistics, as a deployment would not either.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
 import time
@@ -51,7 +52,7 @@ from dex_tasks.celery_app import create_app
 from dex_tasks.execution import Runtime
 from dex_tasks.routing import TOOL_ALIVE_KEY
 from dex_tasks.store import CALLS, INTERRUPTS, Store
-from dex_tasks.sweeps import JOBS
+from dex_tasks.sweeps import JOBS, reap_expired_leases
 
 DEFAULT_JOBS = ("expire_approvals", "reap_expired_leases", "republish_stranded")
 # The one job the issue sets a target for.
@@ -217,10 +218,13 @@ def time_job(rt: Runtime, job: str, now: float, expected: int) -> tuple[float, i
     """Call ``job`` until it has moved ``expected`` calls (or moves none); (seconds, moved,
     calls)."""
     fn = JOBS[job]
+    # The reaper waits a second for live workers' renewals before it reaps (see
+    # sweeps.reap_expired_leases); no worker runs here, so that wait is left out of the time.
+    run = functools.partial(reap_expired_leases, settle=0.0) if fn is reap_expired_leases else fn
     moved = calls = 0
     start = time.perf_counter()
     while True:
-        n = fn(rt, now)
+        n = run(rt, now)
         calls += 1
         moved += n
         if moved >= expected or n == 0:

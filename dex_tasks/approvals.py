@@ -9,8 +9,8 @@ any restart. This module decides interrupts:
   caller decided, and the call's guarded transition. The first decision wins; every later one,
   and one that arrives after the deadline, changes nothing.
 * :func:`expire_overdue` - the deadline sweep. One statement marks overdue undecided interrupts
-  ``expired`` and the same transaction rejects their calls; it reads only overdue rows, through
-  the ``(decision, deadline_at)`` index.
+  ``expired`` and, in the same transaction, one set-based transition rejects their calls; it
+  reads only overdue rows, through the ``(decision, deadline_at)`` index.
 
 Both sides of a race (two people, a person and the sweep, two sweeps) guard on
 ``decision IS NULL`` in the same row, so exactly one wins.
@@ -46,7 +46,7 @@ from dex_tasks.models import InterruptRow, ToolCallRow
 from dex_tasks.policy import EffectClass
 from dex_tasks.records import AgentSnapshot, Decision, PendingInterrupt, ToolCallRecord
 from dex_tasks.states import CallStatus
-from dex_tasks.store import CALLS, INTERRUPTS, Store
+from dex_tasks.store import CALLS, INTERRUPTS, Move, Store
 from dex_tasks.transcript import session_messages
 
 log = logging.getLogger("dex_tasks.approvals")
@@ -223,10 +223,10 @@ def batch_bound(now: float, batch: int) -> Select[Any]:
 def expire_overdue(store: Store, now: float | None = None, batch: int = EXPIRE_BATCH) -> int:
     """Reject every call whose approval deadline passed undecided; returns how many.
 
-    Each transaction runs :func:`expire_statement` and the calls' guarded transitions. After
-    an outage the backlog may be large, so a transaction takes about ``batch`` of the oldest
-    deadlines (ties included) and the loop continues until none is left. Idempotent and safe
-    to run concurrently.
+    Each transaction runs :func:`expire_statement` and the calls' guarded set-based transition
+    (``Store.transition_many``). After an outage the backlog may be large, so a transaction
+    takes about ``batch`` of the oldest deadlines (ties included) and the loop continues until
+    none is left. Idempotent and safe to run concurrently.
     """
     now = time.time() if now is None else now
     total = 0
@@ -241,19 +241,20 @@ def _expire_batch(store: Store, now: float, batch: int) -> tuple[int, bool]:
     with store.write() as conn:
         through = conn.execute(batch_bound(now, batch)).scalar()
         rows = conn.execute(expire_statement(now, through)).all()
-        for row in rows:
-            if store.transition(
-                row.key, CallStatus.REJECTED, allowed={CallStatus.AWAITING_APPROVAL},
-                values={"error": deadline_error(row.deadline_at)},
-                detail={"reason": EXPIRED, "interrupt_id": row.interrupt_id},
-                now=now, conn=conn,
-            ):
-                log.info("approval deadline passed", extra={"action": "approval_expired",
-                                                             "key": row.key})
-            else:
-                log.error("expired interrupt's call was not awaiting approval",
-                          extra={"action": "interrupt_inconsistent", "key": row.key,
-                                 "interrupt_id": row.interrupt_id})
+        rejected = store.transition_many(
+            [Move(row.key, CallStatus.REJECTED, values={"error": deadline_error(row.deadline_at)},
+                  detail={"reason": EXPIRED, "interrupt_id": row.interrupt_id})
+             for row in rows],
+            allowed={CallStatus.AWAITING_APPROVAL}, now=now, conn=conn,
+        )
+    for row in rows:
+        if row.key in rejected:
+            log.info("approval deadline passed", extra={"action": "approval_expired",
+                                                         "key": row.key})
+        else:
+            log.error("expired interrupt's call was not awaiting approval",
+                      extra={"action": "interrupt_inconsistent", "key": row.key,
+                             "interrupt_id": row.interrupt_id})
     return len(rows), through is not None
 
 

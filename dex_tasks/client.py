@@ -66,7 +66,11 @@ class DexClient:
 
     def __init__(self, settings: DexSettings | None = None, *, create_tables: bool = True) -> None:
         self.settings = settings or DexSettings()
-        self.store = Store(self.settings.database_url)
+        # An agent process idles between turns, and the server (or a proxy) may close its
+        # pooled connections meanwhile: one that sat idle a second is tested before use. The
+        # ping's round trip is nothing next to a second of idling, and none is made under load.
+        self.store = Store(self.settings.database_url,
+                           retry_seconds=self.settings.store_retry_seconds, ping_after_idle=1.0)
         if create_tables:
             try:
                 self.store.create_all()

@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
 from billiard.exceptions import SoftTimeLimitExceeded
@@ -42,7 +42,7 @@ from dex_tasks.redis_clients import redis_client
 from dex_tasks.registry import InvalidArguments, ToolContext, get_local_tool, strings_problem
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
-from dex_tasks.store import INHERITED, Store
+from dex_tasks.store import INHERITED, Move, Store
 from dex_tasks.task_states import Outcome, failure, ignored, report
 
 log = logging.getLogger("dex_tasks.execution")
@@ -74,7 +74,8 @@ def runtime(app: Celery) -> Runtime:
             settings: DexSettings = app.dex_settings  # type: ignore[attr-defined]
             _runtime = Runtime(
                 settings=settings,
-                store=Store(settings.database_url),
+                store=Store(settings.database_url,
+                            retry_seconds=settings.store_retry_seconds),
                 redis=redis_client(settings, socket_timeout=10),
                 app=app,
             )
@@ -136,94 +137,97 @@ def did_not_run(store: Store, call: ToolCallRow, why: str) -> bool:
     if its attempts ran out: a read ``failed``, a write ``outcome_unknown``. The ``attempts``
     guard keeps a claim that lands between our read and this write from being mislabelled.
     """
-    to, error, reason = _unstarted_end(call, why)
-    return store.transition(
-        call.key,
-        to,
-        allowed={CallStatus.QUEUED},
-        match={"attempts": call.attempts},
-        values={"error": error},
-        detail={"reason": reason, "why": why},
-    )
+    move = did_not_run_move(call, why)
+    return store.transition(move.key, move.to, allowed={CallStatus.QUEUED}, match=move.match,
+                            values=move.values, detail=move.detail)
 
 
-def _unstarted_end(call: ToolCallRow, why: str) -> tuple[CallStatus, str, str]:
-    """(status, error, event reason) of a queued call ended by :func:`did_not_run`."""
+def did_not_run_move(call: ToolCallRow, why: str) -> Move:
+    """How :func:`did_not_run` ends ``call`` (for the sweeps' set-based transitions)."""
     if call.attempts == 0:
-        return CallStatus.FAILED, f"{TOOL_DID_NOT_RUN}: {why}", "did_not_run"
-    decision = retry.after_worker_lost(
-        EffectClass(call.effect), call.attempts, call.attempts,
-        f"{why}, after {call.attempts} attempt(s) had reached the tool",
-    )
-    assert decision.status is not None
-    return decision.status, decision.error or why, "next_attempt_not_started"
+        error = f"{TOOL_DID_NOT_RUN}: {why}"
+        to, reason = CallStatus.FAILED, "did_not_run"
+    else:
+        decision = retry.after_worker_lost(
+            EffectClass(call.effect), call.attempts, call.attempts,
+            f"{why}, after {call.attempts} attempt(s) had reached the tool",
+        )
+        assert decision.status is not None
+        to, error, reason = decision.status, decision.error or why, "next_attempt_not_started"
+    return Move(call.key, to, match={"attempts": call.attempts}, values={"error": error},
+                detail={"reason": reason, "why": why})
 
 
-def _end_unstarted(rt: Runtime, call: ToolCallRow, why: str) -> None:
-    """:func:`did_not_run` from a delivery; when it ended the call, Celery hears of it."""
-    if did_not_run(rt.store, call, why):
-        to, error, _ = _unstarted_end(call, why)
-        raise failure(to, error)
+def _end_unstarted(rt: Runtime, call: ToolCallRow, why: str) -> Outcome:
+    """:func:`did_not_run` from a delivery, as the outcome Celery is told of."""
+    move = did_not_run_move(call, why)
+    if rt.store.transition(move.key, move.to, allowed={CallStatus.QUEUED}, match=move.match,
+                           values=move.values, detail=move.detail):
+        return Outcome(move.to, move.values["error"])
+    return Outcome(None, why=_RACED)
 
 
 def handle_lost_attempt(
     rt: Runtime, key: str, owner: str | None, reason: str, *, republish: bool
 ) -> CallStatus | None:
-    """A running attempt is gone (child killed, hard time limit, lease expired).
+    """A running attempt is gone (child killed, hard time limit, a thread abandoned at its
+    limit).
 
     Only acts while the call is still ``running`` under that owner: the child may have
     finished the work and recorded it just before dying, and a later attempt may own the call
-    by now. ``republish`` sends a new message for a retry: the reaper's case. (For a lost child
-    or a hard time limit on the retrying path, Celery requeues the message itself.) Returns
-    the status it moved the call to.
+    by now. ``republish`` sends a new message for a retry (for a lost child or a hard time
+    limit on the retrying path, Celery requeues the message itself). Returns the status it
+    moved the call to. (The reaper does the same for many calls at once, set-based, with
+    :func:`lost_attempt_move`.)
     """
     call = rt.store.get_call(key)
     if call is None or call.status != CallStatus.RUNNING.value:
         return None
     if owner is not None and call.worker != owner:
         return None
-    effect = EffectClass(call.effect)
-    decision = retry.after_worker_lost(effect, call.attempts, call.max_attempts, reason)
+    move = lost_attempt_move(call, reason, time.time())
+    if not rt.store.transition(key, move.to, allowed={CallStatus.RUNNING}, match=move.match,
+                               values=move.values, detail=move.detail):
+        return None
+    after_lost_attempt(rt, call, move, republish=republish)
+    return move.to
+
+
+def lost_attempt_move(call: ToolCallRow, reason: str, now: float) -> Move:
+    """Where a call goes when its running attempt is lost: back to ``queued`` while attempts
+    are left on the retrying path, else the ending its effect class gives (``retry.py``).
+    Guarded on the attempt's owner and number, so a later attempt is never touched."""
+    decision = retry.after_worker_lost(EffectClass(call.effect), call.attempts,
+                                       call.max_attempts, reason)
     guard = {"worker": call.worker, "attempts": call.attempts}
+    detail = {"reason": "attempt_lost", "attempt": call.attempts, "why": reason}
     if decision.retry:
-        now = time.time()
-        if not rt.store.transition(
-            key,
-            CallStatus.QUEUED,
-            allowed={CallStatus.RUNNING},
-            match=guard,
-            values={"worker": None, "lease_expires_at": None, "published_at": now},
-            detail={"reason": "attempt_lost", "attempt": call.attempts, "why": reason},
-        ):
-            return None
-        if republish:
-            try:
-                publish(rt.app, call)
-            except Exception:  # noqa: BLE001 - the republisher sweep picks it up
-                log.warning("republish failed", extra={"action": "republish_failed", "key": key})
-        log.info("attempt lost, retrying", extra={"action": "attempt_lost", "key": key})
-        return CallStatus.QUEUED
+        return Move(call.key, CallStatus.QUEUED, match=guard, detail=detail,
+                    values={"worker": None, "lease_expires_at": None, "published_at": now})
     assert decision.status is not None
-    if rt.store.transition(
-        key,
-        decision.status,
-        allowed={CallStatus.RUNNING},
-        match=guard,
-        values={"error": decision.error},
-        detail={"reason": "attempt_lost", "attempt": call.attempts, "why": reason},
-    ):
-        log.info("attempt lost, call ended", extra={"action": "attempt_lost", "key": key,
-                                                     "status": decision.status.value})
-        return decision.status
-    return None
+    return Move(call.key, decision.status, match=guard, values={"error": decision.error},
+                detail=detail)
 
 
-def _exhausted_before_claim(rt: Runtime, call: ToolCallRow) -> Outcome:
+def after_lost_attempt(rt: Runtime, call: ToolCallRow, move: Move, *, republish: bool) -> None:
+    """Log a lost attempt's move, and send the retry's message when one is needed."""
+    if move.to is not CallStatus.QUEUED:
+        log.info("attempt lost, call ended", extra={"action": "attempt_lost", "key": call.key,
+                                                     "status": move.to.value})
+        return
+    if republish:
+        try:
+            publish(rt.app, call)
+        except Exception:  # noqa: BLE001 - the republisher sweep picks it up
+            log.warning("republish failed", extra={"action": "republish_failed",
+                                                   "key": call.key})
+    log.info("attempt lost, retrying", extra={"action": "attempt_lost", "key": call.key})
+
+
+def _exhausted_before_claim(rt: Runtime, call: ToolCallRow, why: str) -> Outcome:
     """A queued retrying call delivered again after every attempt was used (by worker loss)."""
     decision = retry.after_worker_lost(
-        EffectClass(call.effect), call.attempts, call.max_attempts,
-        f"the worker was lost during each of the {call.attempts} attempts",
-    )
+        EffectClass(call.effect), call.attempts, call.max_attempts, why)
     assert decision.status is not None
     if rt.store.transition(
         call.key, decision.status, allowed={CallStatus.QUEUED},
@@ -237,50 +241,72 @@ def _exhausted_before_claim(rt: Runtime, call: ToolCallRow) -> Outcome:
 # -- running a call -----------------------------------------------------------------------------
 
 
-def _prepare(rt: Runtime, key: str) -> tuple[ToolCallRow, Any, dict[str, Any]] | None:
-    """Load a queued call and check it can run here; end it "did not run" if it cannot."""
-    call = rt.store.get_call(key)
-    if call is None:
-        log.warning("message for an unknown call", extra={"action": "unknown_call", "key": key})
-        return None
-    if call.status != CallStatus.QUEUED.value:
-        # Another delivery owns it, or it is finished: a duplicate changes nothing.
-        log.info("duplicate delivery ignored",
-                 extra={"action": "duplicate_delivery", "key": key, "status": call.status})
-        return None
-    if call.expires_at is not None and time.time() > call.expires_at:
-        _end_unstarted(rt, call, "it expired in the queue before a worker started it")
-        return None
-    tool = get_local_tool(call.tool)
-    if tool is None:
-        _end_unstarted(rt, call, f"no worker that took it has the tool {call.tool!r}")
-        return None
-    try:
-        arguments = tool.validate(json.loads(call.arguments))
-    except InvalidArguments as err:
-        _end_unstarted(rt, call, str(err))
-        return None
-    return call, tool, arguments
+class _CannotRun(Exception):
+    """The claimed call cannot run here: its claim is rolled back and the call is ended."""
+
+    def __init__(self, why: str, call: ToolCallRow, *, exhausted: bool = False) -> None:
+        super().__init__(why)
+        self.why = why
+        self.call = call
+        self.exhausted = exhausted
 
 
-def _claim(rt: Runtime, call: ToolCallRow, owner: str) -> int | None:
-    """The store's compare-and-set claim: queued -> running. Returns the attempt number."""
-    attempt = call.attempts + 1
+Claimed = tuple[ToolCallRow, Any, dict[str, Any]]
+
+
+def _claim(rt: Runtime, key: str, owner: str) -> Claimed | Outcome | None:
+    """The store's compare-and-set claim, queued -> running, and the checks before a tool runs.
+
+    One transaction on the common path, and no read before it: the claim's UPDATE returns the
+    whole call, and the checks run inside the same transaction on what it returned. A call
+    that cannot run here (expired in the queue, no such tool in this worker, invalid
+    arguments, attempts used up) has its claim rolled back, so it is still ``queued`` with its
+    attempts untouched, and is then ended "did not run" (or as if its attempts ran out) in a
+    transaction of its own: the :class:`Outcome` of that is returned. Otherwise the call as
+    claimed (``attempts`` is this attempt's number), the tool and the validated arguments;
+    None for a call that was not queued (a duplicate delivery, a call that ended).
+    """
     now = time.time()
-    won = rt.store.transition(
-        call.key,
-        CallStatus.RUNNING,
-        allowed={CallStatus.QUEUED},
-        match={"attempts": call.attempts},
-        values={
-            "attempts": attempt,
-            "worker": owner,
-            "lease_expires_at": now + rt.settings.lease_seconds,
-        },
-        detail={"attempt": attempt, "worker": owner},
-        now=now,
-    )
-    return attempt if won else None
+
+    def vet(row: Any) -> tuple[Any, dict[str, Any]]:
+        # ``now`` is the claim's, not read again here: a claim retried after its connection
+        # was lost must decide as the try that committed did.
+        tool = get_local_tool(row.tool)
+        if row.expires_at is not None and now > row.expires_at:
+            why = "it expired in the queue before a worker started it"
+        elif tool is None:
+            why = f"no worker that took it has the tool {row.tool!r}"
+        else:
+            try:
+                arguments = tool.validate(json.loads(row.arguments))
+            except InvalidArguments as err:
+                why = str(err)
+            else:
+                if row.attempts <= row.max_attempts:
+                    return tool, arguments
+                raise _CannotRun(f"the worker was lost during each of the {row.attempts - 1} "
+                                 "attempts", _before_claim(row), exhausted=True)
+        raise _CannotRun(why, _before_claim(row))
+
+    try:
+        claimed = rt.store.claim(key, owner, rt.settings.lease_seconds, vet, now=now)
+    except _CannotRun as refused:
+        if refused.exhausted:
+            return _exhausted_before_claim(rt, refused.call, refused.why)
+        return _end_unstarted(rt, refused.call, refused.why)
+    if claimed is None:
+        # Another delivery owns it, or it is finished: a duplicate changes nothing.
+        log.info("duplicate delivery ignored", extra={"action": "duplicate_delivery", "key": key})
+        return None
+    row, (tool, arguments) = claimed
+    return cast(ToolCallRow, row), tool, arguments
+
+
+def _before_claim(row: Any) -> ToolCallRow:
+    """The call as it was before the claim that returned ``row`` (which is rolled back)."""
+    return ToolCallRow.model_validate({
+        **row._mapping, "status": CallStatus.QUEUED.value, "attempts": row.attempts - 1,
+        "worker": None, "lease_expires_at": None, "prev_status": None})
 
 
 def _finish(rt: Runtime, key: str, owner: str, to: CallStatus, **values: Any) -> bool:
@@ -334,18 +360,21 @@ _SUPERSEDED = ("the tool returned, but its attempt had been ended or taken over 
 def run_retrying(task: Task, key: str) -> None:
     """Body of the retrying task kind."""
     rt = runtime(task.app)
-    prepared = _prepare(rt, key)
-    if prepared is None:
-        raise ignored(task, key, _DUPLICATE)
-    call, tool, arguments = prepared
-    if call.attempts >= call.max_attempts:
-        report(task, call, _exhausted_before_claim(rt, call))
-        return
     owner = current_owner(task.request.hostname)
-    attempt = _claim(rt, call, owner)
-    if attempt is None:
-        raise ignored(task, key, _RACED)
-    report(task, call, _attempt_retrying(rt, call, tool, arguments, owner, attempt))
+    claimed = _claim(rt, key, owner)
+    if not isinstance(claimed, tuple):
+        _report_unclaimed(task, key, claimed)
+        return
+    call, tool, arguments = claimed
+    report(task, call, _attempt_retrying(rt, call, tool, arguments, owner, call.attempts))
+
+
+def _report_unclaimed(task: Task, key: str, outcome: Outcome | None) -> None:
+    """Tell Celery about a delivery that ran no tool: it ended the call here (FAILURE), or it
+    changed nothing (IGNORED)."""
+    if outcome is None or outcome.status is None:
+        raise ignored(task, key, _DUPLICATE if outcome is None else (outcome.why or _RACED))
+    raise failure(outcome.status, outcome.error)
 
 
 def _attempt_retrying(rt: Runtime, call: ToolCallRow, tool: Any, arguments: dict[str, Any],
@@ -424,19 +453,20 @@ def _schedule_retry(
 def run_single_attempt(task: Task, key: str) -> None:
     """Body of the single-attempt task kind."""
     rt = runtime(task.app)
-    prepared = _prepare(rt, key)
-    if prepared is None:
-        raise ignored(task, key, _DUPLICATE)
-    call, tool, arguments = prepared
     owner = current_owner(task.request.hostname)
+    # The Redis claim first: it turns a duplicate away without a store round trip. A worker
+    # that dies between the two claims leaves the call queued, untouched by any tool, behind
+    # a claim the republisher recognises as dead ("did not run").
     if not claims.try_claim(rt.redis, key, owner, rt.settings.claim_ttl_seconds):
         log.info("claim taken, duplicate ignored", extra={"action": "duplicate_delivery",
                                                           "key": key})
         raise ignored(task, key, _DUPLICATE)
-    attempt = _claim(rt, call, owner)
-    if attempt is None:
-        raise ignored(task, key, _RACED)
-    report(task, call, _attempt_once(rt, call, tool, arguments, owner, attempt))
+    claimed = _claim(rt, key, owner)
+    if not isinstance(claimed, tuple):
+        _report_unclaimed(task, key, claimed)
+        return
+    call, tool, arguments = claimed
+    report(task, call, _attempt_once(rt, call, tool, arguments, owner, call.attempts))
 
 
 def _attempt_once(rt: Runtime, call: ToolCallRow, tool: Any, arguments: dict[str, Any],

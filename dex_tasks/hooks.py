@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,17 +49,28 @@ class LeaseRenewer(threading.Thread):
         self.app = app
         self.stopped = threading.Event()
 
+    # After a failed renewal (the store unreachable for longer than its retries last), try
+    # again this soon rather than a whole interval later: the reaper gives live workers about
+    # a second to renew once the store answers again (see ``sweeps.reap_expired_leases``).
+    RETRY_AFTER_FAILURE = 0.25
+
     def run(self) -> None:
         rt = runtime(self.app)
         interval = max(0.2, rt.settings.lease_seconds / 3)
-        while not self.stopped.wait(interval):
+        wait = interval
+        while not self.stopped.wait(wait):
             try:
                 self.renew_once()
+                wait = interval
             except Exception:
-                log.exception("lease renewal failed", extra={"action": "lease_renew_error"})
+                if wait == interval:
+                    log.exception("lease renewal failed",
+                                  extra={"action": "lease_renew_error"})
+                wait = self.RETRY_AFTER_FAILURE
 
     def renew_once(self) -> int:
-        """Extend every active call's lease by ``lease_seconds`` from now."""
+        """Extend every active call's lease to ``lease_seconds`` from now, on the store's
+        clock (this machine's clock plays no part)."""
         rt = runtime(self.app)
         by_host: dict[str, list[str]] = {}
         for request in list(worker_state.active_requests):
@@ -68,8 +78,7 @@ class LeaseRenewer(threading.Thread):
             # gives each message ("dex.call_tool[lookup_order]") and never matches.
             if request.type in _CALL_TASKS and request.args:
                 by_host.setdefault(request.hostname, []).append(request.args[0])
-        until = time.time() + rt.settings.lease_seconds
-        return sum(rt.store.renew_leases(f"{host}:", keys, until)
+        return sum(rt.store.renew_leases(f"{host}:", keys, rt.settings.lease_seconds)
                    for host, keys in by_host.items())
 
 

@@ -50,11 +50,12 @@ from alembic.autogenerate import compare_metadata  # noqa: E402
 from alembic.config import Config  # noqa: E402
 from alembic.runtime.migration import MigrationContext  # noqa: E402
 from alembic.script import ScriptDirectory  # noqa: E402
-from sqlalchemy import func, inspect, literal, select  # noqa: E402
+from sqlalchemy import inspect  # noqa: E402
 from sqlalchemy.engine import Connection  # noqa: E402
 from sqlmodel import SQLModel  # noqa: E402
 
 import dex_tasks.models  # noqa: E402, F401 - the tables differences() compares against
+from dex_tasks.connections import lock_schema  # noqa: E402
 from dex_tasks.errors import ConfigurationError, SchemaOutOfDateError  # noqa: E402
 
 log = logging.getLogger("dex_tasks.schema")
@@ -63,11 +64,6 @@ VERSION_TABLE = "dex_schema_version"
 """Where the database's revision is recorded."""
 
 UPGRADE_COMMAND = "dex-tasks db upgrade"
-
-# The two-key advisory lock space of dex-tasks' schema changes (the per-session message locks
-# use 0x64657801).
-_LOCK_SPACE = 0x64657802
-_SCHEMA_LOCK = select(func.pg_advisory_xact_lock(literal(_LOCK_SPACE), literal(1)))
 
 # Alembic's running context is module-global: one migration per process at a time.
 _ALEMBIC = threading.Lock()
@@ -183,9 +179,7 @@ def inspect_schema(store: SchemaStore) -> SchemaStatus:
 def _locked(store: SchemaStore) -> Iterator[Connection]:
     """A write transaction that holds the schema lock until it ends."""
     with store.write() as conn:
-        if conn.dialect.name == "postgresql":
-            conn.execute(_SCHEMA_LOCK)
-        # (SQLite: the store's write transaction began with BEGIN IMMEDIATE.)
+        lock_schema(conn)  # (SQLite: the write transaction began with BEGIN IMMEDIATE.)
         yield conn
 
 

@@ -56,6 +56,12 @@ class DexSettings(BaseSettings):
         default=30.0, gt=0,
         description="How long a running call's lease lasts without renewal.",
     )
+    store_retry_seconds: float = Field(
+        default=5.0, ge=0,
+        description="How long a transition, claim or lease renewal keeps retrying across a "
+                    "lost database connection or a busy database before it gives up. Keep "
+                    "it below lease_seconds.",
+    )
     republish_after_seconds: float = Field(
         default=300.0, gt=0,
         description="A queued call with no delivery for this long is republished.",

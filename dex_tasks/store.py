@@ -1,9 +1,17 @@
-"""The SQL store: engine set-up, the one guarded transition function, and queries.
+"""The SQL store: the one guarded transition function, its set-based twin, the claim, and
+queries.
 
-``transition`` is the only code that writes a call's status. It is a compare-and-set
+``transition`` (and ``transition_many`` for sweeps, and ``claim``, the transition to
+``running``) is the only code that writes a call's status. It is a compare-and-set
 (``UPDATE ... WHERE key = :key AND status IN (:allowed)``) whose row count says whether this
 caller won, and it writes the event row in the same transaction; a move to a terminal status
 also appends the call's tool message to the session's transcript there.
+
+Transitions are safe to run again, so a transition that loses its connection is run again on a
+new one, for up to ``retry_seconds``. The one ambiguous case is a connection lost during
+COMMIT: the first try may have committed. The retry then finds the row already in the target
+state with the values that very try wrote (its ``updated_at`` is the transition's own
+timestamp), takes that as won, and writes no second event or tool message.
 """
 
 from __future__ import annotations
@@ -11,31 +19,59 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
-import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
-from sqlalchemy import Engine, bindparam, event, exists, func, insert, literal, select, update
-from sqlalchemy.engine import Connection
-from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError, SQLAlchemyError
+from sqlalchemy import (
+    and_,
+    bindparam,
+    case,
+    cast,
+    exists,
+    func,
+    insert,
+    literal,
+    or_,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 from sqlalchemy.sql.elements import ClauseElement, ColumnElement
-from sqlmodel import create_engine
 
+from dex_tasks.connections import (
+    FORK_GUARD,
+    INHERITED,
+    retryable,
+    server_engine,
+    sqlite_engine,
+    store_now,
+)
 from dex_tasks.errors import IllegalTransitionError, StoreUnavailableError
 from dex_tasks.models import CallEventRow, CatalogRow, InterruptRow, MessageRow, ToolCallRow
 from dex_tasks.states import ALLOWED_FROM, CallStatus, MessageRole
 
+__all__ = ["INHERITED", "Move", "Store", "deliver_ready_messages", "event_name", "readable_calls"]
+
 log = logging.getLogger("dex_tasks.store")
+
+T = TypeVar("T")
+V = TypeVar("V")
 
 CALLS = ToolCallRow.__table__  # type: ignore[attr-defined]
 EVENTS = CallEventRow.__table__  # type: ignore[attr-defined]
 INTERRUPTS = InterruptRow.__table__  # type: ignore[attr-defined]
 CATALOG = CatalogRow.__table__  # type: ignore[attr-defined]
 MESSAGES = MessageRow.__table__  # type: ignore[attr-defined]
+
+# Retrying a transaction across a reconnect: the first pause, and the longest.
+RETRY_FIRST_PAUSE = 0.05
+RETRY_MAX_PAUSE = 0.5
 
 
 def readable_calls(rows: Iterable[Any]) -> list[ToolCallRow]:
@@ -67,66 +103,13 @@ def event_name(to: CallStatus) -> str:
     }[to]
 
 
-# Database connections a forked child inherited from its parent. The child never uses them
-# (see _guard_fork) and never closes them either: closing would end the parent's PostgreSQL
-# session (libpq sends Terminate on the shared socket) or disturb its SQLite locks. Kept
-# referenced here so garbage collection does not close them.
-INHERITED: list[Any] = []
-
-
-def _guard_fork(engine: Engine) -> None:
-    """Make pooled connections per process: a child replaces what it inherited, untouched.
-
-    The recipe of SQLAlchemy's "Using Connection Pools with Multiprocessing or os.fork()",
-    with the inherited connection kept open instead of closed.
-    """
-
-    @event.listens_for(engine, "connect")
-    def _remember_pid(_dbapi_conn: Any, record: Any) -> None:
-        record.info["pid"] = os.getpid()
-
-    @event.listens_for(engine, "checkout")
-    def _check_pid(dbapi_conn: Any, record: Any, proxy: Any) -> None:
-        if record.info.get("pid") != os.getpid():
-            INHERITED.append(dbapi_conn)
-            record.dbapi_connection = proxy.dbapi_connection = None
-            raise DisconnectionError("connection inherited across fork; opening a new one")
-
-
-def _sqlite_engine(url: str, *, immediate: bool) -> Engine:
-    # Pooled: opening a SQLite connection and setting its pragmas costs about a millisecond,
-    # as much as the transaction itself. _guard_fork keeps pooled connections per process.
-    engine = create_engine(
-        url, pool_size=5, max_overflow=20,
-        connect_args={"timeout": 30, "check_same_thread": False},
-    )
-    _guard_fork(engine)
-
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-        # Take over transaction control from pysqlite so BEGIN is ours to issue.
-        dbapi_conn.isolation_level = None
-        cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA synchronous=NORMAL")
-        cur.execute("PRAGMA busy_timeout=30000")
-        cur.close()
-
-    @event.listens_for(engine, "begin")
-    def _on_begin(conn: Connection) -> None:
-        # Writers take the lock up front: a deferred transaction that reads and then writes can
-        # fail with SQLITE_BUSY at once instead of waiting on busy_timeout.
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
-
-    return engine
-
-
 _DELIVERY_LOCK_SPACE = 0x64657801  # the first key of dex-tasks' per-session message locks
 _OPEN_STATUSES = [CallStatus.AWAITING_APPROVAL.value, CallStatus.QUEUED.value,
                   CallStatus.RUNNING.value]
 
 
-def deliver_ready_messages(conn: Connection, now: float, session_id: str | None = None) -> int:
+def deliver_ready_messages(conn: Connection, now: float, session_id: str | None = None, *,
+                           locked: bool = False) -> int:
     """Mark delivered the queued user messages whose turn is over; returns how many.
 
     A message waits for every turn that had begun when it was sent (a turn with a call
@@ -138,9 +121,10 @@ def deliver_ready_messages(conn: Connection, now: float, session_id: str | None 
     and leave the message queued. A per-session transaction lock taken before the check
     serialises them, and the check then runs with a fresh snapshot that sees the other's
     commit. SQLite writers are serialised anyway. Rows the sweep is delivering are skipped
-    (``SKIP LOCKED``), so ending a call never waits on it.
+    (``SKIP LOCKED``), so ending a call never waits on it. ``locked`` says this transaction
+    already holds the session's lock.
     """
-    if session_id is not None:
+    if session_id is not None and not locked:
         lock_session_messages(conn, session_id)
     if session_id is None:
         result = conn.execute(_DELIVER_ALL, {"deliver_now": now})
@@ -190,6 +174,22 @@ _DELIVER_SESSION = _delivery_statement(one_session=True)
 _DELIVER_ALL = _delivery_statement(one_session=False)
 _DELIVERY_LOCK = select(func.pg_advisory_xact_lock(
     literal(_DELIVERY_LOCK_SPACE), func.hashtext(bindparam("lock_session"))))
+# The same lock, taken inside a terminal transition's UPDATE (in its RETURNING, so only when
+# the row moved): it saves a round trip per call. Statements after the UPDATE see every commit
+# of the lock's previous holder.
+_DELIVERY_LOCK_RETURNING = func.pg_advisory_xact_lock(
+    literal(_DELIVERY_LOCK_SPACE), func.hashtext(CALLS.c.session_id)).label("delivery_lock")
+# The same lock on several sessions at once, always in the same (sorted) order, so that two
+# set-based transitions never wait on each other in a circle.
+_DELIVERY_LOCK_MANY = text(
+    "SELECT pg_advisory_xact_lock(:space, hashtext(s)) FROM "
+    "(SELECT s FROM unnest(CAST(:sessions AS text[])) AS s ORDER BY s) AS sorted_sessions"
+)
+_SESSIONS_WITH_QUEUED = (
+    select(MESSAGES.c.session_id).distinct()
+    .where(MESSAGES.c.status == "queued",
+           MESSAGES.c.session_id.in_(bindparam("queued_sessions", expanding=True)))
+)
 
 
 # Statements on the hot path, built once: building one with .values(...) costs about half a
@@ -197,25 +197,51 @@ _DELIVERY_LOCK = select(func.pg_advisory_xact_lock(
 _INSERT_CALL = insert(CALLS)
 _INSERT_INTERRUPT = insert(INTERRUPTS)
 _INSERT_EVENT = insert(EVENTS)
+# A terminal transition's event row, which also says whether the session has user messages
+# waiting; most calls end with none, and then the delivery statement is not run at all.
+_INSERT_EVENT_QUEUED = _INSERT_EVENT.returning(
+    exists().where(MESSAGES.c.status == "queued",
+                   MESSAGES.c.session_id == bindparam("queued_session")).label("queued"))
 _INSERT_MESSAGE = insert(MESSAGES)
 _GET_CALL = select(CALLS).where(CALLS.c.key == bindparam("get_key"))
+_STORE_NOW = select(store_now())
+# The claim, queued -> running, returns the whole row: a worker needs no read before it. The
+# lease runs on the store's clock (``connections.store_now``), never on the worker's.
+_CLAIM = (
+    update(CALLS)
+    .where(CALLS.c.key == bindparam("c_key"), CALLS.c.status == CallStatus.QUEUED.value)
+    .values(prev_status=CALLS.c.status, status=CallStatus.RUNNING.value,
+            attempts=CALLS.c.attempts + 1, worker=bindparam("c_worker"),
+            lease_expires_at=store_now() + bindparam("c_lease"),
+            updated_at=bindparam("c_now"))
+    .returning(*CALLS.c)
+)
+# Calls per UPDATE of a set-based transition (its guards and values are bound per call).
+_MANY_CHUNK = 200
 
-# What a transition's UPDATE returns: the event row needs these two; a terminal transition
-# also builds its call's tool message from the rest (the values just written), so it needs
-# no read of its own.
-_RETURNING = (CALLS.c.session_id, CALLS.c.prev_status)
+
+# What a move's UPDATE returns: the event row needs these three; a terminal move also builds
+# its call's tool message from the rest (the values just written), so it needs no read.
+_RETURNING = (CALLS.c.key, CALLS.c.session_id, CALLS.c.prev_status)
 _RETURNING_TERMINAL = (*_RETURNING, CALLS.c.turn_id, CALLS.c.tool_call_id, CALLS.c.tool,
                        CALLS.c.arguments, CALLS.c.result, CALLS.c.error)
 
 
 def _returning(to: CallStatus) -> tuple[Any, ...]:
+    """What the UPDATE of a move to ``to`` returns, for what ``Store._record`` writes."""
     return _RETURNING_TERMINAL if to.terminal else _RETURNING
 
+
+def _returning_one(to: CallStatus, postgres: bool) -> tuple[Any, ...]:
+    """:func:`_returning` for a single transition, which on PostgreSQL also takes a terminal
+    move's delivery lock there (see ``_DELIVERY_LOCK_RETURNING``)."""
+    columns = _returning(to)
+    return (*columns, _DELIVERY_LOCK_RETURNING) if to.terminal and postgres else columns
 
 @functools.lru_cache(maxsize=256)
 def _transition_statement(
     to: CallStatus, sources: frozenset[CallStatus], match: tuple[str, ...],
-    fields: tuple[str, ...],
+    fields: tuple[str, ...], postgres: bool,
 ) -> Any:
     """The guarded UPDATE of one transition shape, with every value a bound parameter."""
     return (
@@ -227,84 +253,92 @@ def _transition_statement(
         # we moved from, for the event row.
         .values(prev_status=CALLS.c.status, status=to.value,
                 **{k: bindparam(f"v_{k}") for k in fields})
-        .returning(*_returning(to))
+        .returning(*_returning_one(to, postgres))
     )
 
 
-class _ForkGuard:
-    """Keeps ``os.fork()`` from happening while another thread has a SQLite transaction open.
+def _event_row(row: Any, to: CallStatus, detail: Mapping[str, Any] | None,
+               now: float) -> dict[str, Any]:
+    """The event row of one move: ``row`` is what its UPDATE returned."""
+    return {"session_id": row.session_id, "key": row.key, "event": event_name(to),
+            "from_status": row.prev_status, "to_status": to.value,
+            "detail": json.dumps(dict(detail), default=str) if detail else None,
+            "created_at": now}
 
-    SQLite keeps its file-lock bookkeeping per process, in memory. A child forked while a
-    thread of its parent holds a lock inherits the bookkeeping but not the OS lock behind it,
-    and from then on every write the child tries fails with "database is locked". A worker's
-    main process renews leases from a thread while billiard forks replacement children, so
-    without this a child forked at the wrong moment failed every call it took. Forks wait
-    (bounded) until no transaction is open; transactions wait while a fork is under way.
+
+def _tool_message(row: Any, to: CallStatus, now: float) -> dict[str, Any]:
+    """The transcript's tool message of a call that just became terminal (``to``)."""
+    return {"session_id": row.session_id, "role": MessageRole.TOOL.value, "text": None,
+            "status": None, "created_at": now, "delivered_at": None, "turn_id": row.turn_id,
+            "tool_call_id": row.tool_call_id, "tool": row.tool, "key": row.key,
+            "call_status": to.value, "tool_arguments": row.arguments,
+            "tool_output": row.result if to is CallStatus.SUCCEEDED else row.error}
+
+
+def _bound(column: str, value: Any) -> Any:
+    """``value`` as a typed bound parameter of ``column`` (NULL for None)."""
+    return literal(value, CALLS.c[column].type) if value is not None else None
+
+
+def _equals(column: str, value: Any) -> ColumnElement[bool]:
+    guard: ColumnElement[bool] = (CALLS.c[column].is_(None) if value is None
+                                  else CALLS.c[column] == _bound(column, value))
+    return guard
+
+
+@dataclass(frozen=True)
+class Move:
+    """One call's part in a set-based transition (:meth:`Store.transition_many`).
+
+    ``to`` is where it goes; ``match`` the equality guards that must still hold on its row
+    (the owner, the attempt count, the lease it was seen with); ``values`` the columns written
+    to it (plain values); ``detail`` the detail of its event row.
     """
 
-    FORK_WAIT_SECONDS = 10.0
-
-    def __init__(self) -> None:
-        self._reset()
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(before=self._before_fork,
-                                after_in_parent=self._after_in_parent,
-                                after_in_child=self._reset)
-
-    def _reset(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._active = 0
-        self._forking = False
-
-    @contextmanager
-    def transaction(self) -> Iterator[None]:
-        """Mark a SQLite transaction as open in this process for the ``with`` block."""
-        with self._cond:
-            # Bounded: a thread already inside a transaction must not wait on a fork that
-            # waits on it.
-            self._cond.wait_for(lambda: not self._forking, timeout=self.FORK_WAIT_SECONDS)
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._active -= 1
-                self._cond.notify_all()
-
-    def _before_fork(self) -> None:
-        self._cond.acquire()
-        self._forking = True
-        # Bounded, so a fork from inside a transaction (which would wait on itself) goes on.
-        self._cond.wait_for(lambda: self._active == 0, timeout=self.FORK_WAIT_SECONDS)
-
-    def _after_in_parent(self) -> None:
-        self._forking = False
-        self._cond.notify_all()
-        self._cond.release()
+    key: str
+    to: CallStatus
+    match: Mapping[str, Any] = field(default_factory=dict)
+    values: Mapping[str, Any] = field(default_factory=dict)
+    detail: Mapping[str, Any] | None = None
 
 
-_FORK_GUARD = _ForkGuard()
+def _sources(what: str, to: CallStatus,
+             allowed: Iterable[CallStatus] | None) -> frozenset[CallStatus]:
+    """The statuses a move to ``to`` may leave: ``allowed`` (default: every legal one), which
+    must be legal; :class:`IllegalTransitionError` naming ``what`` otherwise."""
+    legal = ALLOWED_FROM[to]
+    sources = frozenset(legal if allowed is None else allowed)
+    if not sources or not sources <= legal:
+        illegal = sorted(s.value for s in sources - legal) or ["(none)"]
+        raise IllegalTransitionError(
+            f"{what}: cannot move to {to.value} from {', '.join(illegal)}"
+        )
+    return sources
+
 
 
 class Store:
-    """Access to the SQL store. Safe across fork: a child opens connections of its own."""
+    """Access to the SQL store. Safe across fork: a child opens connections of its own.
 
-    def __init__(self, database_url: str) -> None:
+    ``retry_seconds`` bounds how long the store's own operations (transitions, the claim,
+    lease renewals, single-call reads and inserts) keep trying across lost connections and a
+    busy database. ``ping_after_idle`` tests a pooled server connection that sat idle that
+    many seconds before using it; for processes that idle (see
+    ``connections.server_engine``).
+    """
+
+    def __init__(self, database_url: str, *, retry_seconds: float = 5.0,
+                 ping_after_idle: float | None = None) -> None:
         self.url = database_url
+        self.retry_seconds = retry_seconds
         self.is_sqlite = database_url.startswith("sqlite")
         if self.is_sqlite:
-            self.engine = _sqlite_engine(database_url, immediate=True)
-            self.read_engine = _sqlite_engine(database_url, immediate=False)
+            self.engine = sqlite_engine(database_url, immediate=True)
+            self.read_engine = sqlite_engine(database_url, immediate=False)
         else:
-            # No pool_pre_ping: it costs a round trip per transaction (three per call in a
-            # worker). A connection the server dropped fails one statement instead, which
-            # SQLAlchemy recognises as a disconnect and answers by discarding the whole pool;
-            # the call it hit is finished by the sweeps (its lease or the republisher).
-            self.engine = create_engine(
-                database_url, pool_size=5, max_overflow=10, pool_recycle=1800
-            )
-            _guard_fork(self.engine)
+            self.engine = server_engine(database_url, ping_after_idle=ping_after_idle)
             self.read_engine = self.engine
+        self.is_postgres = self.engine.dialect.name == "postgresql"
 
     def create_all(self) -> None:
         """Make the schema ready for this release (what every process does at start).
@@ -319,13 +353,18 @@ class Store:
         schema.prepare(self)
 
     def _fork_safe(self) -> AbstractContextManager[None]:
-        return _FORK_GUARD.transaction() if self.is_sqlite else nullcontext()
+        return FORK_GUARD.transaction() if self.is_sqlite else nullcontext()
 
     def close(self) -> None:
         """Close the pooled connections (this process is done with the store)."""
         self.engine.dispose()
         if self.read_engine is not self.engine:
             self.read_engine.dispose()
+
+    def _unavailable(self, err: SQLAlchemyError) -> StoreUnavailableError:
+        cause = err.orig if isinstance(err, DBAPIError) else err
+        return StoreUnavailableError(
+            f"the store at {self.safe_url} failed: {type(err).__name__}: {cause}")
 
     @contextmanager
     def _errors(self) -> Iterator[None]:
@@ -334,16 +373,11 @@ class Store:
         except IntegrityError:
             raise
         except (DBAPIError, SQLAlchemyError) as err:
-            cause = err.orig if isinstance(err, DBAPIError) else err
-            raise StoreUnavailableError(
-                f"the store at {self.safe_url} failed: {type(err).__name__}: {cause}"
-            ) from err
+            raise self._unavailable(err) from err
 
     @property
     def safe_url(self) -> str:
         """The database URL without its password, for messages and logs."""
-        from sqlalchemy.engine import make_url
-
         return make_url(self.url).render_as_string(hide_password=True)
 
     @contextmanager
@@ -357,6 +391,50 @@ class Store:
         """A read-only transaction."""
         with self._fork_safe(), self._errors(), self.read_engine.connect() as conn:
             yield conn
+
+    def _retrying(self, op: Callable[[Connection, int], T], *, read: bool = False) -> T:
+        """Run ``op(conn, attempt)`` in a transaction of its own, and again on a new connection
+        while the error is one a retry can cure (``connections.retryable``), for up to
+        ``retry_seconds``; then :class:`StoreUnavailableError`.
+
+        ``attempt`` counts from 1. Above 1, an earlier try may have committed before its
+        connection was lost (during COMMIT): an ``op`` that must not write twice checks.
+        """
+        engine = self.read_engine if read else self.engine
+        deadline = time.monotonic() + self.retry_seconds
+        pause = RETRY_FIRST_PAUSE
+        attempt = 1
+        while True:
+            try:
+                with self._fork_safe(), (engine.connect() if read else engine.begin()) as conn:
+                    return op(conn, attempt)
+            except IntegrityError:
+                raise
+            except DBAPIError as err:
+                if (not retryable(err, sqlite=self.is_sqlite)
+                        or time.monotonic() + pause > deadline):
+                    raise self._unavailable(err) from err
+                log.warning("store connection lost or busy; trying again", extra={
+                    "action": "store_retry", "attempt": attempt,
+                    "error": f"{type(err.orig).__name__}: {str(err.orig).strip()[:200]}"})
+            except SQLAlchemyError as err:
+                raise self._unavailable(err) from err
+            time.sleep(pause)
+            pause = min(pause * 2, RETRY_MAX_PAUSE)
+            attempt += 1
+
+    # -- the store's clock ----------------------------------------------------------------------
+
+    def store_time(self) -> float:
+        """The store's clock now (``connections.store_now``): what leases are judged by."""
+        return float(self._retrying(lambda conn, _: conn.execute(_STORE_NOW).scalar_one(),
+                                    read=True))
+
+    def writable_at(self) -> float:
+        """Take the store's write lock (on SQLite; a round trip on PostgreSQL) and return the
+        store's time at that moment: a point after which every writer that was waiting for
+        the lock, or for the server, can go on."""
+        return float(self._retrying(lambda conn, _: conn.execute(_STORE_NOW).scalar_one()))
 
     # -- the one function that changes a call's status ------------------------------------------
 
@@ -379,15 +457,10 @@ class Store:
         ``match`` adds equality guards on columns (the owning worker, an attempt count) and
         ``where`` any other guard; ``values`` sets other columns in the same statement. The
         event row is written in the same transaction, and so is, when ``to`` is terminal, the
-        call's tool message in the session's transcript.
+        call's tool message in the session's transcript. Without ``conn`` the transition runs
+        in a transaction of its own, retried across a lost connection (see the module's doc).
         """
-        legal = ALLOWED_FROM[to]
-        sources = frozenset(legal if allowed is None else allowed)
-        if not sources or not sources <= legal:
-            illegal = sorted(s.value for s in sources - legal) or ["(none)"]
-            raise IllegalTransitionError(
-                f"call {key!r}: cannot move to {to.value} from {', '.join(illegal)}"
-            )
+        sources = _sources(f"call {key!r}", to, allowed)
         now = time.time() if now is None else now
         fields: dict[str, Any] = {"updated_at": now, **(values or {})}
         if to.terminal:
@@ -398,7 +471,8 @@ class Store:
         if not where and not any(isinstance(v, ClauseElement) for v in fields.values()):
             # The common shape (plain values, equality guards): a statement built once per
             # shape and bound here costs a fraction of building one per call.
-            stmt = _transition_statement(to, sources, tuple(sorted(match)), tuple(sorted(fields)))
+            stmt = _transition_statement(to, sources, tuple(sorted(match)),
+                                         tuple(sorted(fields)), self.is_postgres)
             params = {"t_key": key, **{f"m_{k}": v for k, v in match.items()},
                       **{f"v_{k}": v for k, v in fields.items()}}
         else:
@@ -408,15 +482,22 @@ class Store:
                 .where(CALLS.c.key == key, CALLS.c.status.in_([s.value for s in sources]),
                        *guards)
                 .values(prev_status=CALLS.c.status, status=to.value, **fields)
-                .returning(*_returning(to))
+                .returning(*_returning_one(to, self.is_postgres))
             )
         if conn is not None:
-            return self._transition_in(conn, stmt, params, key, to, detail, now)
-        with self.write() as tx:
-            return self._transition_in(tx, stmt, params, key, to, detail, now)
+            return self._transition_in(conn, stmt, params, key, to, detail, now) is not None
 
-    @staticmethod
+        def attempt(tx: Connection, n: int) -> bool:
+            if self._transition_in(tx, stmt, params, key, to, detail, now) is not None:
+                return True
+            # Nothing matched. After a lost connection that may be our own earlier try, which
+            # committed: the row then holds exactly what this transition writes.
+            return n > 1 and self._landed(tx, key, to, {**match, **fields}) is not None
+
+        return self._retrying(attempt)
+
     def _transition_in(
+        self,
         conn: Connection,
         stmt: Any,
         params: dict[str, Any] | None,
@@ -424,71 +505,225 @@ class Store:
         to: CallStatus,
         detail: Mapping[str, Any] | None,
         now: float,
-    ) -> bool:
+    ) -> Any | None:
         row = (conn.execute(stmt, params) if params is not None else conn.execute(stmt)).first()
         if row is None:
-            return False
-        conn.execute(_INSERT_EVENT, {
-            "session_id": row.session_id,
-            "key": key,
-            "event": event_name(to),
-            "from_status": row.prev_status,
-            "to_status": to.value,
-            "detail": json.dumps(dict(detail), default=str) if detail else None,
-            "created_at": now,
-        })
+            return None
+        # A terminal move on PostgreSQL took the session's delivery lock in its RETURNING.
+        self._record(conn, to, [row], {key: detail}, now, locked=True)
+        return row
+
+    def _record(self, conn: Connection, to: CallStatus, moved: Sequence[Any],
+                details: Mapping[str, Mapping[str, Any] | None], now: float, *,
+                locked: bool) -> None:
+        """What every move writes besides the status, in the mover's transaction.
+
+        ``moved`` are the rows the UPDATE returned (:func:`_returning`), ``details`` each
+        one's event detail by key.
+
+        1. One event row per call that moved.
+        2. On a move to a terminal status, each call's tool message in the session's
+           transcript, built from the returned row: a call that ends has its message, and
+           the guarded UPDATE matches once, so it never gets two (the unique index on the
+           key is the backstop).
+        3. On a move to a terminal status, a turn may have just ended: the queued user
+           messages of the sessions touched are delivered here, so no code path that ends a
+           call can forget them. Sessions with no message queued skip the delivery statement:
+           the event's INSERT says whether any is (one call), or one query does (many).
+
+        ``locked``: this transaction already holds the sessions' delivery locks (PostgreSQL).
+        """
+        events = [_event_row(row, to, details[row.key], now) for row in moved]
+        if not events:
+            return
+        if not to.terminal:
+            conn.execute(_INSERT_EVENT, events[0] if len(events) == 1 else events)
+            return
+        messages = [_tool_message(row, to, now) for row in moved]
+        conn.execute(_INSERT_MESSAGE, messages[0] if len(messages) == 1 else messages)
+        sessions: list[str] = sorted({e["session_id"] for e in events})
+        if self.is_postgres and not locked:
+            conn.execute(_DELIVERY_LOCK_MANY, {"space": _DELIVERY_LOCK_SPACE,
+                                               "sessions": sessions})
+        if len(events) == 1:
+            queued = conn.execute(_INSERT_EVENT_QUEUED,
+                                  {**events[0], "queued_session": sessions[0]}).scalar_one()
+            waiting = sessions if queued else []
+        else:
+            conn.execute(_INSERT_EVENT, events)
+            waiting = list(conn.execute(_SESSIONS_WITH_QUEUED,
+                                        {"queued_sessions": sessions}).scalars())
+        for session_id in waiting:
+            deliver_ready_messages(conn, now, session_id, locked=True)
+
+    @staticmethod
+    def _landed(conn: Connection, key: str, to: CallStatus,
+                written: Mapping[str, Any]) -> Any | None:
+        """The call's row if it is in ``to`` and holds every plain value of ``written``: what
+        a try that committed before its connection was lost left behind. Its ``updated_at``
+        is the transition's own timestamp, so another writer's move does not match."""
+        guards = [CALLS.c.key == key, CALLS.c.status == to.value]
+        guards += [_equals(column, value) for column, value in written.items()
+                   if not isinstance(value, ClauseElement)]
+        row = conn.execute(select(CALLS).where(*guards)).first()
+        if row is not None:
+            log.warning("a transition whose connection was lost had committed; taken as won",
+                        extra={"action": "store_commit_recovered", "key": key,
+                               "status": to.value})
+        return row
+
+    def claim(self, key: str, owner: str, lease_seconds: float, vet: Callable[[Any], V], *,
+              now: float | None = None) -> tuple[Any, V] | None:
+        """queued -> running for ``owner``, in one statement that returns the whole row.
+
+        ``None`` when the call is not queued (a duplicate delivery, a call that ended, or no
+        such call). The row's ``attempts`` counts the attempt this claim starts, and its lease
+        runs ``lease_seconds`` on the store's clock. ``vet(row)`` runs inside the transaction
+        before the event is written: whatever it raises rolls the claim back (the call stays
+        queued, untouched) and propagates. Returns the row and what ``vet`` returned. Retried
+        across a lost connection like :meth:`transition`.
+        """
+        now = time.time() if now is None else now
+        params = {"c_key": key, "c_worker": owner, "c_lease": lease_seconds, "c_now": now}
+
+        def attempt(tx: Connection, n: int) -> tuple[Any, V] | None:
+            row = tx.execute(_CLAIM, params).first()
+            if row is None:
+                landed = n > 1 and self._landed(tx, key, CallStatus.RUNNING,
+                                                {"worker": owner, "updated_at": now})
+                return (landed, vet(landed)) if landed else None
+            vetted = vet(row)
+            self._record(tx, CallStatus.RUNNING, [row],
+                         {key: {"attempt": row.attempts, "worker": owner}}, now, locked=False)
+            return row, vetted
+
+        return self._retrying(attempt)
+
+    def transition_many(
+        self,
+        moves: Sequence[Move],
+        *,
+        allowed: Iterable[CallStatus],
+        now: float | None = None,
+        conn: Connection | None = None,
+    ) -> set[str]:
+        """The set-based twin of :meth:`transition`, for the sweeps: many calls in one
+        transaction, one guarded UPDATE per kind of move (its target and the columns it
+        guards and writes) instead of one transaction per call.
+
+        The guards are those of :meth:`transition`: the status must be one of ``allowed`` (a
+        subset of each target's legal sources) and each move's ``match`` must hold on its
+        row. Each call that moved gets its event row. Returns the keys of the calls that
+        moved; the others (moved by someone else meanwhile, a lease renewed) are untouched.
+        """
+        sources = frozenset(allowed)
+        for target in {m.to for m in moves}:
+            _sources(f"{len(moves)} calls", target, sources)
+        if not moves:
+            return set()
+        now = time.time() if now is None else now
+        kinds: dict[tuple[CallStatus, tuple[str, ...], tuple[str, ...]], list[Move]] = {}
+        for m in moves:
+            kinds.setdefault((m.to, tuple(sorted(m.match)), tuple(sorted(m.values))),
+                             []).append(m)
+
+        def run(tx: Connection, n: int) -> set[str]:
+            moved: set[str] = set()
+            for (to, guarded, written), group in kinds.items():
+                for i in range(0, len(group), _MANY_CHUNK):
+                    moved |= self._move_chunk(tx, to, sources, guarded, written,
+                                              group[i:i + _MANY_CHUNK], now)
+            if n > 1:
+                moved |= self._landed_many(tx, [m for m in moves if m.key not in moved], now)
+            return moved
+
+        return run(conn, 1) if conn is not None else self._retrying(run)
+
+    def _move_chunk(self, conn: Connection, to: CallStatus, sources: frozenset[CallStatus],
+                    guarded: tuple[str, ...], written: tuple[str, ...], chunk: Sequence[Move],
+                    now: float) -> set[str]:
+        fields: dict[str, Any] = {"updated_at": now}
         if to.terminal:
-            # The call's tool message, in the transaction that makes it terminal: a call
-            # that ends has its message, and the guarded UPDATE above matches once, so it
-            # never gets two (the unique index on the key is the backstop).
-            conn.execute(_INSERT_MESSAGE, {
-                "session_id": row.session_id,
-                "role": MessageRole.TOOL.value,
-                "text": None,
-                "status": None,
-                "created_at": now,
-                "delivered_at": None,
-                "turn_id": row.turn_id,
-                "tool_call_id": row.tool_call_id,
-                "tool": row.tool,
-                "key": key,
-                "call_status": to.value,
-                "tool_arguments": row.arguments,
-                "tool_output": row.result if to is CallStatus.SUCCEEDED else row.error,
-            })
-            # A turn may have just ended: deliver its queued user messages in this same
-            # transaction, so no code path that ends a call can forget them.
-            deliver_ready_messages(conn, now, row.session_id)
-        return True
+            fields.update({k: v for k, v in (("finished_at", now), ("lease_expires_at", None))
+                           if k not in written})
+        # Each call's own values, picked by its key (one value if they are all the same);
+        # each call's own guards, or-ed.
+        for column in written:
+            values = {m.key: m.values[column] for m in chunk}
+            if len(set(map(repr, values.values()))) == 1:
+                fields[column] = next(iter(values.values()))
+            else:
+                fields[column] = cast(case({k: _bound(column, v) for k, v in values.items()},
+                                           value=CALLS.c.key), CALLS.c[column].type)
+        guard = or_(*(and_(CALLS.c.key == m.key, *(_equals(c, m.match[c]) for c in guarded))
+                      for m in chunk))
+        rows = conn.execute(
+            update(CALLS)
+            .where(CALLS.c.status.in_(sorted(s.value for s in sources)), guard)
+            .values(prev_status=CALLS.c.status, status=to.value, **fields)
+            .returning(*_returning(to))
+        ).all()
+        self._record(conn, to, rows, {m.key: m.detail for m in chunk}, now, locked=False)
+        return {r.key for r in rows}
+
+    @staticmethod
+    def _landed_many(conn: Connection, moves: Sequence[Move], now: float) -> set[str]:
+        """The moves a try that lost its connection had committed (see :meth:`_landed`)."""
+        landed: set[str] = set()
+        for to in {m.to for m in moves}:
+            keys = [m.key for m in moves if m.to is to]
+            landed |= set(conn.execute(
+                select(CALLS.c.key).where(CALLS.c.key.in_(keys), CALLS.c.status == to.value,
+                                          CALLS.c.updated_at == now)).scalars())
+        if landed:
+            log.warning("a set-based transition whose connection was lost had committed",
+                        extra={"action": "store_commit_recovered", "count": len(landed)})
+        return landed
+
 
     # -- calls ----------------------------------------------------------------------------------
 
     def insert_call(
         self, row: Mapping[str, Any], interrupt: Mapping[str, Any] | None = None
     ) -> bool:
-        """Insert a new call (and its interrupt) with its first event; False if the key exists."""
+        """Insert a new call (and its interrupt) with its first event; False if the key exists.
+
+        Retried across a lost connection; when a retry finds the key taken by the very row this
+        call inserted (an earlier try committed), that is an insert, not an existing call.
+        """
+        tries = 0
+
+        def attempt(conn: Connection, n: int) -> None:
+            nonlocal tries
+            tries = n
+            conn.execute(_INSERT_CALL, dict(row))
+            if interrupt is not None:
+                conn.execute(_INSERT_INTERRUPT, dict(interrupt))
+            conn.execute(_INSERT_EVENT, {
+                "session_id": row["session_id"],
+                "key": row["key"],
+                "event": "tool_call_requested",
+                "from_status": None,
+                "to_status": row["status"],
+                "detail": None,
+                "created_at": row["created_at"],
+            })
+
         try:
-            with self.write() as conn:
-                conn.execute(_INSERT_CALL, dict(row))
-                if interrupt is not None:
-                    conn.execute(_INSERT_INTERRUPT, dict(interrupt))
-                conn.execute(_INSERT_EVENT, {
-                    "session_id": row["session_id"],
-                    "key": row["key"],
-                    "event": "tool_call_requested",
-                    "from_status": None,
-                    "to_status": row["status"],
-                    "detail": None,
-                    "created_at": row["created_at"],
-                })
+            self._retrying(attempt)
         except IntegrityError:
+            if tries > 1:
+                stored = self.get_call(row["key"])
+                return stored is not None and (stored.created_at, stored.arguments) == (
+                    row["created_at"], row["arguments"])
             return False
         return True
 
     def get_call(self, key: str) -> ToolCallRow | None:
-        """The stored call, or None."""
-        with self.read() as conn:
-            row = conn.execute(_GET_CALL, {"get_key": key}).mappings().first()
+        """The stored call, or None. Retried across a lost connection."""
+        row = self._retrying(
+            lambda conn, _: conn.execute(_GET_CALL, {"get_key": key}).mappings().first(),
+            read=True)
         return ToolCallRow.model_validate(dict(row)) if row else None
 
     def calls_for_session(self, session_id: str) -> list[ToolCallRow]:
@@ -501,65 +736,70 @@ class Store:
             ).mappings()
             return [ToolCallRow.model_validate(dict(r)) for r in rows]
 
-    def mark_published(self, key: str, now: float | None = None, *,
+    def mark_published(self, keys: str | Sequence[str], now: float | None = None, *,
                        republished: bool = False) -> None:
-        """Record when a message for a queued call was last published (not a status change).
+        """Record when a message for queued calls was last published (not a status change).
 
         ``republished`` counts a republish by the stranded-call sweep, which backs off on
         calls it has already republished.
         """
+        keys = [keys] if isinstance(keys, str) else list(keys)
+        if not keys:
+            return
         values: dict[str, Any] = {"published_at": time.time() if now is None else now}
         if republished:
             values["republishes"] = CALLS.c.republishes + 1
-        with self.write() as conn:
-            conn.execute(
-                update(CALLS)
-                .where(CALLS.c.key == key, CALLS.c.status == CallStatus.QUEUED.value)
-                .values(**values)
-            )
+        stmt = (update(CALLS)
+                .where(CALLS.c.key.in_(keys), CALLS.c.status == CallStatus.QUEUED.value)
+                .values(**values))
+        self._retrying(lambda conn, _: conn.execute(stmt))
 
-    def renew_leases(self, worker_prefix: str, keys: Sequence[str], until: float) -> int:
-        """Extend the leases of ``keys`` still running on this worker; returns rows touched."""
+    def renew_leases(self, worker_prefix: str, keys: Sequence[str], seconds: float) -> int:
+        """Extend the leases of ``keys`` still running on this worker to ``seconds`` from now
+        on the store's clock; returns rows touched.
+
+        "Now" is when the statement runs, so a renewal that waited for a lock or a reconnect
+        still grants a whole lease. Retried across a lost connection (running it twice only
+        extends the leases again).
+        """
         if not keys:
             return 0
-        with self.write() as conn:
-            result = conn.execute(
-                update(CALLS)
-                .where(
-                    CALLS.c.key.in_(list(keys)),
-                    CALLS.c.status == CallStatus.RUNNING.value,
-                    CALLS.c.worker.like(worker_prefix + "%"),
-                )
-                .values(lease_expires_at=until)
+        stmt = (
+            update(CALLS)
+            .where(
+                CALLS.c.key.in_(list(keys)),
+                CALLS.c.status == CallStatus.RUNNING.value,
+                CALLS.c.worker.like(worker_prefix + "%"),
             )
-            return int(result.rowcount or 0)
+            .values(lease_expires_at=store_now() + seconds)
+        )
+        return self._retrying(lambda conn, _: int(conn.execute(stmt).rowcount or 0))
 
-    def expired_leases(self, now: float, limit: int = 500) -> list[ToolCallRow]:
-        """Running calls whose lease ran out: their worker is gone or stopped renewing."""
-        with self.read() as conn:
-            rows = conn.execute(
-                select(CALLS)
-                .where(
-                    CALLS.c.status == CallStatus.RUNNING.value,
-                    CALLS.c.lease_expires_at < now,
-                )
-                .limit(limit)
-            ).mappings()
-            return readable_calls(rows)
+    def expired_leases(self, now: float | None = None, limit: int = 500) -> list[ToolCallRow]:
+        """Running calls whose lease ran out by ``now`` (default: the store's clock): their
+        worker is gone or stopped renewing."""
+        bound = store_now() if now is None else literal(now)
+        stmt = (
+            select(CALLS)
+            .where(CALLS.c.status == CallStatus.RUNNING.value, CALLS.c.lease_expires_at < bound)
+            .limit(limit)
+        )
+        return self._retrying(lambda conn, _: readable_calls(conn.execute(stmt).mappings()),
+                              read=True)
 
     def stranded_queued(self, published_before: float, limit: int = 500) -> list[ToolCallRow]:
         """Queued calls with no publish since ``published_before`` (never published included)."""
-        with self.read() as conn:
-            rows = conn.execute(
-                select(CALLS)
-                .where(
-                    CALLS.c.status == CallStatus.QUEUED.value,
-                    (CALLS.c.published_at < published_before) | CALLS.c.published_at.is_(None),
-                )
-                .order_by(CALLS.c.published_at)
-                .limit(limit)
-            ).mappings()
-            return readable_calls(rows)
+        stmt = (
+            select(CALLS)
+            .where(
+                CALLS.c.status == CallStatus.QUEUED.value,
+                (CALLS.c.published_at < published_before) | CALLS.c.published_at.is_(None),
+            )
+            .order_by(CALLS.c.published_at)
+            .limit(limit)
+        )
+        return self._retrying(lambda conn, _: readable_calls(conn.execute(stmt).mappings()),
+                              read=True)
 
     def events(self, session_id: str, after: int = 0, limit: int = 1000) -> list[CallEventRow]:
         """The session's events with ``id > after``, in order."""

@@ -11,38 +11,96 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 from sqlalchemy import func, select
 
 from dex_tasks import approvals, claims, routing, transcript
 from dex_tasks.celery_app import publish
 from dex_tasks.errors import StoreUnavailableError
-from dex_tasks.execution import Runtime, did_not_run, handle_lost_attempt
+from dex_tasks.execution import (
+    Runtime,
+    after_lost_attempt,
+    did_not_run_move,
+    lost_attempt_move,
+)
 from dex_tasks.models import ToolCallRow
 from dex_tasks.policy import EffectClass
 from dex_tasks.reconcile import reconcile_with_reconcilers
 from dex_tasks.states import CallStatus
-from dex_tasks.store import CALLS, readable_calls
+from dex_tasks.store import CALLS, Move, readable_calls
 
 log = logging.getLogger("dex_tasks.sweeps")
 
 
-def reap_expired_leases(rt: Runtime, now: float | None = None) -> int:
+# How long the reaper waits, after it has seen the store writable, before it reaps (see the
+# comment in reap_expired_leases).
+LEASE_SETTLE_SECONDS = 1.0
+
+LEASE_LOST = "the worker running the tool stopped renewing its lease (presumed lost)"
+
+
+def reap_expired_leases(rt: Runtime, now: float | None = None, *,
+                        settle: float = LEASE_SETTLE_SECONDS) -> int:
     """Finish or requeue running calls whose lease ran out (their worker is gone).
 
-    Returns how many calls it moved.
+    Leases are judged on the store's clock; ``now`` (a time on that clock) replaces it, for
+    tests and operators. Returns how many calls it moved, in one set-based transition.
     """
-    now = time.time() if now is None else now
-    moved = 0
-    for call in rt.store.expired_leases(now):
+    # A live worker must never lose its call to the reaper, whatever the clocks say and even
+    # while the store stalls.
+    #
+    # Clocks: the claim and every renewal set ``lease_expires_at`` to the store's time plus
+    # ``lease_seconds``, evaluated by the database when the statement runs, and the reaper
+    # compares leases with the store's time too (``connections.store_now``). A worker's own
+    # clock plays no part, however far off it is. (SQLite's clock is the machine's, which every
+    # process that writes the file shares.)
+    #
+    # Stalls: while another process holds SQLite's write lock for 8 s, or PostgreSQL cannot be
+    # reached, the worker's lease renewer waits like every other writer, and leases run out
+    # although their workers are alive. The reaper can still read (WAL readers do not wait),
+    # sees those leases expired, and would then wait for the lock as well; SQLite's busy
+    # handler is not fair, so when the stall ends the reaper could get the lock before the
+    # renewer and reap a live call. Three rules make that impossible:
+    #
+    # 1. The reap is guarded by the lease it found expired (``lease_expires_at = :seen``, with
+    #    the owner and the attempt): a renewal that commits first changes the lease, and the
+    #    reap of that call changes nothing.
+    # 2. Before it reaps, the reaper takes the write lock itself once (``Store.writable_at``:
+    #    on PostgreSQL, a round trip) and then waits ``settle`` seconds. At that moment the
+    #    store was writable, so every renewer that was waiting gets its turn right after:
+    #    SQLite's busy handler retries within 100 ms; a renewer cut off from PostgreSQL
+    #    retries within half a second (``store.RETRY_MAX_PAUSE``), and one whose retries ran
+    #    out starts again within a quarter second (``hooks.LeaseRenewer``). So when the reaper
+    #    reaps, every live worker's renewal has landed and rule 1 turns the reap away; a
+    #    worker that is gone renews nothing and its calls are reaped.
+    # 3. A renewal grants a whole lease from the store's time when it *runs*, not from when
+    #    it was asked for, so a renewal that waited out a stall is not stale on arrival.
+    #
+    # The price: a dead worker's calls are reaped ``settle`` seconds later, and the probe
+    # costs one write transaction, both only when some lease has run out.
+    expired = rt.store.expired_leases(now)
+    if not expired:
+        return 0
+    rt.store.writable_at()
+    time.sleep(settle)
+    stamp = time.time()
+    moves: dict[str, tuple[ToolCallRow, Move]] = {}
+    for call in expired:
         with _one_row("reap_expired_leases", call.key):
-            status = handle_lost_attempt(
-                rt, call.key, call.worker,
-                "the worker running the tool stopped renewing its lease (presumed lost)",
-                republish=True,
-            )
-            moved += status is not None
-    return moved
+            move = lost_attempt_move(call, LEASE_LOST, stamp)
+            guard = {**move.match, "lease_expires_at": call.lease_expires_at}
+            moves[call.key] = (call, replace(move, match=guard))
+    moved = rt.store.transition_many([move for _, move in moves.values()],
+                                     allowed={CallStatus.RUNNING}, now=stamp)
+    if len(moved) < len(moves):
+        log.warning("leases ran out but were renewed before the reap (did the store stall?)",
+                    extra={"action": "lease_renewed_late", "count": len(moves) - len(moved)})
+    for key in moved:
+        call, move = moves[key]
+        with _one_row("reap_expired_leases", key):
+            after_lost_attempt(rt, call, move, republish=True)
+    return len(moved)
 
 
 @contextmanager
@@ -75,19 +133,28 @@ def republish_stranded(rt: Runtime, now: float | None = None) -> int:
     A single-attempt call whose Redis claim was taken long ago but which never reached the
     store's claim belongs to a worker that died between the two: no tool touched it, so it ends
     "did not run" (the store's compare-and-set keeps that safe if the worker is only slow).
+    The calls that end are ended together, in one set-based transition; those republished
+    are recorded together.
     """
     now = time.time() if now is None else now
     window = rt.settings.republish_after_seconds
     served = _served_or_none(rt)
-    acted = 0
+    ending: list[Move] = []
+    republished: list[str] = []
     for call in rt.store.stranded_queued(now - window):
         if served is not None and call.tool not in served:
             # No live worker consumes its queue: a copy would only wait beside the first, and
             # the call ends at its queue deadline (expire_unserved) unless a worker comes.
             continue
         with _one_row("republish_stranded", call.key):
-            acted += _republish_one(rt, call, now, window)
-    return acted
+            send, why = _stranded(rt, call, now, window)
+            if why is not None:
+                ending.append(did_not_run_move(call, why))
+            elif send and _republish(rt, call):
+                republished.append(call.key)
+    rt.store.mark_published(republished, now, republished=True)
+    ended = rt.store.transition_many(ending, allowed={CallStatus.QUEUED}, now=now)
+    return len(republished) + len(ended)
 
 
 def _served_or_none(rt: Runtime) -> set[str] | None:
@@ -98,30 +165,31 @@ def _served_or_none(rt: Runtime) -> set[str] | None:
         return None
 
 
-def _republish_one(rt: Runtime, call: ToolCallRow, now: float, window: float) -> int:
+def _stranded(rt: Runtime, call: ToolCallRow, now: float,
+              window: float) -> tuple[bool, str | None]:
+    """What to do with a stranded call: (send it again?, why it must end "did not run")."""
     backoff = window * (2 ** min(call.republishes, MAX_REPUBLISH_DOUBLINGS))
     if call.published_at is not None and now - call.published_at < backoff:
-        return 0
+        return False, None
     if call.expires_at is not None and now > call.expires_at:
-        return int(did_not_run(rt.store, call,
-                               "it expired in the queue before a worker started it"))
+        return False, "it expired in the queue before a worker started it"
     if not EffectClass(call.effect).retrying:
         claim = claims.read_claim(rt.redis, call.key)
         if claim is not None:
             if now - float(claim.get("at", 0)) > window:
-                return int(did_not_run(
-                    rt.store, call,
-                    "the worker that received it stopped before starting the tool",
-                ))
-            return 0
+                return False, "the worker that received it stopped before starting the tool"
+            return False, None  # a worker took it a moment ago: its store claim decides
+    return True, None
+
+
+def _republish(rt: Runtime, call: ToolCallRow) -> bool:
     try:
         publish(rt.app, call)
     except Exception:  # noqa: BLE001 - broker down: try again next sweep
         log.warning("republish failed", extra={"action": "republish_failed", "key": call.key})
-        return 0
-    rt.store.mark_published(call.key, now, republished=True)
+        return False
     log.info("stranded call republished", extra={"action": "republished", "key": call.key})
-    return 1
+    return True
 
 
 def restore_orphaned_messages(rt: Runtime, now: float | None = None) -> int:
@@ -160,7 +228,7 @@ def expire_unserved(rt: Runtime, now: float | None = None, limit: int = 500) -> 
         stmt = stmt.where(CALLS.c.tool.not_in(sorted(served)))
     with rt.store.read() as conn:
         calls = readable_calls(conn.execute(stmt.limit(limit)).mappings().all())
-    ended = 0
+    ending: list[Move] = []
     for call in calls:
         if call.expires_at is not None:
             why = (f"it expired in the queue before a worker started it (no live worker "
@@ -169,8 +237,9 @@ def expire_unserved(rt: Runtime, now: float | None = None, limit: int = 500) -> 
             why = (f"no live worker serves the tool {call.tool!r}, and the call waited past "
                    f"its queue deadline of {rt.settings.queue_deadline_seconds:g}s")
         with _one_row("expire_unserved", call.key):
-            ended += did_not_run(rt.store, call, why)
-    return ended
+            ending.append(did_not_run_move(call, why))
+    # One set-based transition: each move keeps did_not_run's attempts guard.
+    return len(rt.store.transition_many(ending, allowed={CallStatus.QUEUED}, now=now))
 
 
 def expire_approvals(rt: Runtime, now: float | None = None) -> int:

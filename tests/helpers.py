@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -214,3 +217,154 @@ def user_messages(snapshot: AgentSnapshot) -> list[SessionMessage]:
 def tool_messages(snapshot: AgentSnapshot) -> list[SessionMessage]:
     """The tool messages of a session's transcript, oldest first."""
     return [m for m in snapshot.messages if m.role is MessageRole.TOOL]
+
+
+@dataclass
+class TcpProxy:
+    """``tests/tcp_proxy.py`` run as its own process in front of ``target`` (host:port).
+
+    ``cut(seconds)`` closes every open connection and refuses new ones for that long (a
+    database restart as its clients see it); ``reset()`` only closes them; ``lose_commit_reply``
+    makes the next COMMIT take effect while its client loses the connection before the answer.
+    """
+
+    target: str
+    proc: subprocess.Popen[str] | None = None
+    port: int = 0
+    control_port: int = 0
+
+    def start(self) -> TcpProxy:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.tcp_proxy", "--target", self.target],
+            cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        )
+        assert self.proc.stdout is not None
+        words = self.proc.stdout.readline().split()
+        if len(words) != 4 or words[0] != "listening":
+            self.stop()
+            raise RuntimeError(f"the TCP proxy did not start: {words}")
+        self.port, self.control_port = int(words[1]), int(words[3])
+        return self
+
+    def url(self, database_url: str) -> str:
+        """``database_url`` pointed at the proxy instead of the server."""
+        from sqlalchemy.engine import make_url
+
+        url = make_url(database_url).set(host="127.0.0.1", port=self.port)
+        return url.render_as_string(hide_password=False)
+
+    def command(self, line: str) -> str:
+        with socket.create_connection(("127.0.0.1", self.control_port), timeout=10) as conn:
+            conn.sendall(line.encode() + b"\n")
+            reply = conn.makefile().readline().strip()
+        if not reply.startswith(("ok", "open")):
+            raise RuntimeError(f"TCP proxy: {line!r} -> {reply!r}")
+        return reply
+
+    def cut(self, seconds: float) -> int:
+        """Close every open connection and refuse new ones for ``seconds``; how many closed."""
+        return int(self.command(f"cut {seconds}").split()[1])
+
+    def reset(self) -> int:
+        """Close every open connection (new ones are accepted); how many closed."""
+        return int(self.command("reset").split()[1])
+
+    def lose_commit_reply(self) -> None:
+        """The next COMMIT commits, but its client loses the connection before the answer."""
+        self.command("lose-commit-reply")
+
+    def lose_commit(self) -> None:
+        """The next COMMIT never reaches the server; its client loses the connection."""
+        self.command("lose-commit")
+
+    def stats(self) -> dict[str, int]:
+        words = self.command("stats").split()
+        return {words[i]: int(words[i + 1]) for i in range(0, len(words), 2)}
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.proc = None
+
+
+@dataclass
+class Sweeper:
+    """``tests/sweeper.py`` as its own process: sweep jobs every 0.2 s (default: the reaper
+    and the republisher)."""
+
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @classmethod
+    def start(cls, env: dict[str, str], log_path: Path, *jobs: str) -> Sweeper:
+        with open(log_path, "ab") as out, open(log_path.with_suffix(".err"), "ab") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "tests.sweeper", *jobs], cwd=ROOT,
+                                    env=env, stdout=out, stderr=err, start_new_session=True)
+        sweeper = cls(proc, log_path)
+        wait_until(lambda: sweeper._lines() or sweeper._exited(), 30, "the sweeper to start")
+        return sweeper
+
+    def _exited(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the sweeper exited with {self.proc.returncode}")
+        return False
+
+    def _lines(self) -> list[dict[str, float]]:
+        text = self.log_path.read_text() if self.log_path.exists() else ""
+        return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+    def log(self) -> str:
+        """What the sweeper logged (its standard error)."""
+        path = self.log_path.with_suffix(".err")
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def clock(self) -> float:
+        """The sweeper's own ``time.time()`` when it started."""
+        return self._lines()[0]["clock"]
+
+    def rounds(self) -> list[int]:
+        """How many calls each round moved."""
+        return [int(line["moved"]) for line in self._lines() if "moved" in line]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def faketime_env(offset: str) -> dict[str, str]:
+    """Environment that runs a process with its clock ``offset`` from the machine's ("+10s",
+    "-10s"): Debian's libfaketime, preloaded. It moves the monotonic clock by the same offset
+    (intervals stay true; leaving it alone makes libfaketime's ``clock_nanosleep`` fail)."""
+    import glob
+
+    import pytest
+
+    libraries = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
+    if not libraries:
+        message = "libfaketime is not installed (apt-get install faketime)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return {"LD_PRELOAD": libraries[0], "FAKETIME": offset}
+
+
+def calls_on_every_path(client: Any, name: str, sleep: float) -> list[str]:
+    """Start a read, an idempotent write and a single-attempt charge of the example tools
+    whose tools take ``sleep`` seconds; their keys. ``client`` is a ``DexClient``."""
+    return [
+        client.call_tool(session_id="s", turn_id="t", tool_call_id=f"read-{name}",
+                         tool="lookup_order",
+                         arguments={"order_id": "1001", "sleep": sleep}).key,
+        client.call_tool(session_id="s", turn_id="t", tool_call_id=f"write-{name}",
+                         tool="update_address",
+                         arguments={"order_id": "1001", "address": "1 Elm St",
+                                    "sleep": sleep}).key,
+        client.call_tool(session_id="s", turn_id="t", tool_call_id=f"charge-{name}",
+                         tool="charge_card",
+                         arguments={"customer_id": "cu_1", "amount_cents": 5,
+                                    "sleep": sleep}).key,
+    ]

@@ -10,9 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,8 +22,6 @@ from dex_tasks import (
     DexSettings,
     ToolCallRecord,
 )
-from dex_tasks.execution import Runtime
-from dex_tasks.sweeps import run_job
 from tests.conftest import StartWorker, fast_settings
 from tests.helpers import wait_until
 from workers import ledger
@@ -38,23 +34,6 @@ LEASE = 2.0
 def settings(redis_url: str, sqlite_url: str) -> DexSettings:
     # A 2 s lease, renewed every 0.67 s: short enough that any gap in renewal shows.
     return fast_settings(redis_url, sqlite_url, lease_seconds=LEASE)
-
-
-@pytest.fixture
-def sweeping(rt: Runtime) -> Iterator[list[int]]:
-    """Run the lease reaper and the republisher every 0.2 s; yields how many calls they moved."""
-    moved: list[int] = []
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.wait(0.2):
-            moved.append(run_job(rt, "reap_expired_leases") + run_job(rt, "republish_stranded"))
-
-    thread = threading.Thread(target=loop, name="test-sweeper", daemon=True)
-    thread.start()
-    yield moved
-    stop.set()
-    thread.join(10)
 
 
 def _call(client: DexClient, call_id: str, tool: str, **arguments: object) -> str:

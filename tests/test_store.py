@@ -7,6 +7,7 @@ with their own connections, and separate processes each with its own ``Store``.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import sqlite3
 import threading
@@ -21,7 +22,7 @@ from sqlalchemy import text
 
 from dex_tasks import CallStatus, IllegalTransitionError, StoreUnavailableError
 from dex_tasks.states import ALLOWED_FROM, TERMINAL
-from dex_tasks.store import CALLS, Store
+from dex_tasks.store import CALLS, Move, Store
 from tests.helpers import race_in_processes
 
 
@@ -126,7 +127,7 @@ def test_terminal_records_never_change(store: Store, final: CallStatus) -> None:
             assert not store.transition("s/t/c", target, values={"error": "rewritten"})
     # ...and the non-status writers leave terminal rows alone too.
     store.mark_published("s/t/c", now=1.0)
-    assert store.renew_leases("", ["s/t/c"], until=time.time() + 100) == 0
+    assert store.renew_leases("", ["s/t/c"], seconds=100) == 0
     assert store.get_call("s/t/c") == before
     assert len(store.events_for_call("s/t/c")) == 2
 
@@ -199,16 +200,20 @@ def test_insert_call_race_on_the_same_key_has_one_winner(store: Store) -> None:
     assert len(store.events_for_call("s/t/same")) == 1
 
 
-def test_leases_renew_only_for_the_owning_worker(store: Store) -> None:
+def test_leases_renew_only_for_the_owning_worker_on_the_stores_clock(store: Store) -> None:
     store.insert_call(call_row("s/t/a"))
     store.insert_call(call_row("s/t/b"))
     _claim(store, "s/t/a", "node1@h:11")
     _claim(store, "s/t/b", "node2@h:22")
-    assert store.renew_leases("node1@h:", ["s/t/a", "s/t/b"], until=5000.0) == 1
-    assert store.get_call("s/t/a").lease_expires_at == 5000.0  # type: ignore[union-attr]
+    before = store.store_time()
+    assert store.renew_leases("node1@h:", ["s/t/a", "s/t/b"], seconds=100.0) == 1
+    lease = store.get_call("s/t/a").lease_expires_at  # type: ignore[union-attr]
+    assert lease is not None and before + 100 <= lease <= store.store_time() + 100
     assert store.get_call("s/t/b").lease_expires_at is None  # type: ignore[union-attr]
-    store.renew_leases("node2@h:", ["s/t/b"], until=100.0)
-    assert [c.key for c in store.expired_leases(now=200.0)] == ["s/t/b"]
+    # A lease that ran out five seconds ago, by the store's clock
+    store.renew_leases("node2@h:", ["s/t/b"], seconds=-5.0)
+    assert [c.key for c in store.expired_leases()] == ["s/t/b"]
+    assert sorted(c.key for c in store.expired_leases(now=lease + 1)) == ["s/t/a", "s/t/b"]
 
 
 def test_stranded_queued_selects_old_or_never_published(store: Store) -> None:
@@ -294,3 +299,183 @@ def test_a_child_forked_while_a_thread_writes_can_still_write(sqlite_url: str) -
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0
     assert store.get_call("s/t/c").updated_at == 2.0  # type: ignore[union-attr]
+
+
+# -- the claim, set-based transitions, and what a call costs -----------------------------------
+
+
+def test_claim_returns_the_call_and_a_refusal_rolls_it_back(store: Store) -> None:
+    store.insert_call(call_row("s/t/c"))
+    # A claim whose checks refuse the call leaves it queued, untouched, with no event
+    with pytest.raises(LookupError, match="no tool"):
+        store.claim("s/t/c", "w@h:1", 30.0, lambda row: (_ for _ in ()).throw(
+            LookupError("no tool")))
+    row = store.get_call("s/t/c")
+    assert row is not None and (row.status, row.attempts, row.worker) == ("queued", 0, None)
+    assert len(store.events_for_call("s/t/c")) == 1
+    # A claim that passes returns the whole row as claimed, its lease on the store's clock
+    before = store.store_time()
+    claimed = store.claim("s/t/c", "w@h:1", 30.0, lambda row: row.tool)
+    assert claimed is not None
+    claimed_row, vetted = claimed
+    assert vetted == "charge_card"
+    assert (claimed_row.status, claimed_row.attempts, claimed_row.worker) == (
+        "running", 1, "w@h:1")
+    assert claimed_row.arguments == '{"amount_cents":5}'
+    assert before + 30 <= claimed_row.lease_expires_at <= store.store_time() + 30
+    # A second delivery finds nothing to claim
+    assert store.claim("s/t/c", "w@h:2", 30.0, lambda row: None) is None
+    assert [e.to_status for e in store.events_for_call("s/t/c")] == ["queued", "running"]
+
+
+def test_transition_many_guards_each_call_and_writes_one_event_each(store: Store) -> None:
+    keys = [f"s/t/c{i}" for i in range(5)]
+    for key in keys:
+        store.insert_call(call_row(key))
+        assert _claim(store, key, "w:1")
+    store.insert_call(call_row("s/t/queued"))
+    # Given moves to two targets, each with its own guard and values; c4's guard is stale and
+    # the queued call is not running
+    moves = [
+        Move(keys[0], CallStatus.QUEUED, match={"worker": "w:1", "attempts": 1},
+             values={"worker": None, "published_at": 10.0}, detail={"n": 0}),
+        Move(keys[1], CallStatus.QUEUED, match={"worker": "w:1", "attempts": 1},
+             values={"worker": None, "published_at": 11.0}, detail={"n": 1}),
+        Move(keys[2], CallStatus.OUTCOME_UNKNOWN, match={"worker": "w:1"},
+             values={"error": "lost two"}),
+        Move(keys[3], CallStatus.OUTCOME_UNKNOWN, match={"worker": "w:1"},
+             values={"error": "lost three"}),
+        Move(keys[4], CallStatus.OUTCOME_UNKNOWN, match={"worker": "w:9"},
+             values={"error": "not mine"}),
+        Move("s/t/queued", CallStatus.OUTCOME_UNKNOWN, values={"error": "not running"}),
+    ]
+    with pytest.raises(IllegalTransitionError, match="from awaiting_approval"):
+        store.transition_many(moves, allowed={CallStatus.AWAITING_APPROVAL})
+    # When they are made in one set-based transition
+    moved = store.transition_many(moves, allowed={CallStatus.RUNNING}, now=500.0)
+    # Then exactly the calls whose guards held moved, each with its own values and one event
+    assert moved == set(keys[:4])
+    rows = {key: store.get_call(key) for key in [*keys, "s/t/queued"]}
+    assert [(rows[k].status, rows[k].published_at, rows[k].worker)  # type: ignore[union-attr]
+            for k in keys[:2]] == [("queued", 10.0, None), ("queued", 11.0, None)]
+    assert [(rows[k].status, rows[k].error, rows[k].finished_at)  # type: ignore[union-attr]
+            for k in keys[2:4]] == [("outcome_unknown", "lost two", 500.0),
+                                    ("outcome_unknown", "lost three", 500.0)]
+    assert rows[keys[4]].status == "running"  # type: ignore[union-attr]
+    assert rows["s/t/queued"].status == "queued"  # type: ignore[union-attr]
+    for key in keys[:4]:
+        last = store.events_for_call(key)[-1]
+        assert (last.from_status, last.created_at) == ("running", 500.0)
+        assert len(store.events_for_call(key)) == 3
+    assert json.loads(store.events_for_call(keys[1])[-1].detail or 'null') == {"n": 1}
+    assert len(store.events_for_call(keys[4])) == 2
+
+
+def test_set_based_endings_deliver_the_messages_of_turns_they_end(store: Store) -> None:
+    from dex_tasks.transcript import send_user_message
+
+    # Given two sessions whose turns are open, each with a user message waiting
+    for session in ("s1", "s2"):
+        store.insert_call(call_row(f"{session}/t/c"))
+        assert _claim(store, f"{session}/t/c", "w:1")
+        sent = send_user_message(store, session, "hello")
+        assert sent is not None and sent.status == "queued"
+    # When one set-based transition ends both turns' last calls
+    assert store.transition_many(
+        [Move(f"{s}/t/c", CallStatus.OUTCOME_UNKNOWN, values={"error": "lost"})
+         for s in ("s1", "s2")], allowed={CallStatus.RUNNING}) == {"s1/t/c", "s2/t/c"}
+    # Then both messages were delivered in that transaction
+    with store.read() as conn:
+        statuses = conn.execute(text(
+            "SELECT status FROM dex_messages WHERE role = 'user'")).scalars().all()
+    assert statuses == ["delivered", "delivered"]
+    # and each call that ended got its one tool message in the transcript
+    with store.read() as conn:
+        tool_messages = conn.execute(text(
+            "SELECT key, call_status FROM dex_messages WHERE role = 'tool' ORDER BY key")).all()
+    assert [tuple(m) for m in tool_messages] == [("s1/t/c", "outcome_unknown"),
+                                                 ("s2/t/c", "outcome_unknown")]
+
+
+def test_a_call_costs_a_worker_two_transactions_and_delivery_only_when_a_message_waits(
+    store: Store,
+) -> None:
+    from sqlalchemy import event
+
+    from dex_tasks.transcript import send_user_message
+
+    statements: list[str] = []
+
+    def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        verb = statement.split(None, 1)[0].upper()
+        if verb in ("SELECT", "INSERT", "UPDATE", "DELETE"):
+            statements.append(f"{verb} {_table(statement)}")
+
+    def committed(_conn: Any) -> None:
+        statements.append("COMMIT")
+
+    def run_call(key: str) -> list[str]:
+        statements.clear()
+        assert store.claim(key, "w@h:1", 30.0, lambda row: None) is not None
+        assert store.transition(key, CallStatus.SUCCEEDED, allowed={CallStatus.RUNNING},
+                                match={"worker": "w@h:1"}, values={"result": "1"})
+        return list(statements)
+
+    store.insert_call(call_row("s1/t/c"))
+    store.insert_call(call_row("s2/t/c"))
+    sent = send_user_message(store, "s2", "while the turn runs")
+    assert sent is not None and sent.status == "queued"
+    event.listen(store.engine, "before_cursor_execute", seen)
+    event.listen(store.engine, "commit", committed)
+    try:
+        # A call of a session with no message waiting: claim (UPDATE ... RETURNING, its event)
+        # and finish (UPDATE ... RETURNING, its event, which says no message waits)
+        plain = run_call("s1/t/c")
+        # A call whose session has a message waiting: the delivery statement runs too
+        waiting = run_call("s2/t/c")
+    finally:
+        event.remove(store.engine, "before_cursor_execute", seen)
+        event.remove(store.engine, "commit", committed)
+    claim = ["UPDATE dex_tool_calls", "INSERT dex_call_events", "COMMIT"]
+    finish = ["UPDATE dex_tool_calls", "INSERT dex_messages", "INSERT dex_call_events"]
+    assert plain == [*claim, *finish, "COMMIT"]
+    assert waiting == [*claim, *finish, "UPDATE dex_messages", "COMMIT"]
+
+
+def _table(statement: str) -> str:
+    words = statement.replace("\n", " ").split()
+    for marker in ("UPDATE", "INTO", "FROM"):
+        if marker in words:
+            return words[words.index(marker) + 1].strip('"')
+    return ""
+
+
+def _create_schema(url: str, go: Any, out: Any) -> None:
+    store = Store(url)
+    go.wait(30)
+    try:
+        store.create_all()
+        out.put("created")
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        out.put(f"{type(err).__name__}: {err}")
+    store.close()
+
+
+def test_schema_creation_is_safe_from_several_processes_at_once(database_url: str) -> None:
+    # Given a fresh, empty database and six processes starting at the same moment
+    ctx = multiprocessing.get_context("fork" if threading.active_count() == 1 else "spawn")
+    go = ctx.Event()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_create_schema, args=(database_url, go, out)) for _ in range(6)]
+    for proc in procs:
+        proc.start()
+    # When they all create the schema
+    go.set()
+    results = [out.get(timeout=60) for _ in procs]
+    for proc in procs:
+        proc.join(30)
+    # Then all of them succeed, and the schema works
+    assert results == ["created"] * 6
+    store = Store(database_url)
+    assert store.insert_call(call_row("s/t/c"))
+    store.close()

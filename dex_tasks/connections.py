@@ -1,0 +1,243 @@
+"""How the store connects: engines per dialect, fork safety, which errors a retry can cure, the
+store's clock, and the lock that serialises schema changes.
+
+``store.py`` holds what the store *does*; this module holds what it needs from the database
+driver to do it safely in workers that fork, lose connections and run on machines whose clocks
+disagree.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Engine, Float, event, func, literal, select
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError, InterfaceError
+from sqlalchemy.exc import OperationalError as SAOperationalError
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
+from sqlmodel import create_engine
+
+# Database connections a forked child inherited from its parent. The child never uses them
+# (see _guard_fork) and never closes them either: closing would end the parent's PostgreSQL
+# session (libpq sends Terminate on the shared socket) or disturb its SQLite locks. Kept
+# referenced here so garbage collection does not close them.
+INHERITED: list[Any] = []
+
+# SQLite's wait for the write lock before it gives up with "database is locked" (seconds).
+SQLITE_BUSY_SECONDS = 30
+
+# psycopg prepares a statement on the server once a connection has run it this many times, so
+# later runs send only the parameters (no parse and plan): the hot statements (claim, finish,
+# renew) are the same few texts on every call. psycopg's default is 5.
+PREPARE_THRESHOLD = 2
+
+# The first key of the advisory lock that serialises schema changes (``create_all`` today, the
+# migrations later): "dex" followed by 0.
+SCHEMA_LOCK_KEY = 0x64657800
+
+
+def _guard_fork(engine: Engine) -> None:
+    """Make pooled connections per process: a child replaces what it inherited, untouched.
+
+    The recipe of SQLAlchemy's "Using Connection Pools with Multiprocessing or os.fork()",
+    with the inherited connection kept open instead of closed.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _remember_pid(_dbapi_conn: Any, record: Any) -> None:
+        record.info["pid"] = os.getpid()
+
+    @event.listens_for(engine, "checkout")
+    def _check_pid(dbapi_conn: Any, record: Any, proxy: Any) -> None:
+        if record.info.get("pid") != os.getpid():
+            INHERITED.append(dbapi_conn)
+            record.dbapi_connection = proxy.dbapi_connection = None
+            raise DisconnectionError("connection inherited across fork; opening a new one")
+
+
+def sqlite_engine(url: str, *, immediate: bool) -> Engine:
+    """A pooled SQLite engine in WAL mode; ``immediate`` makes every transaction a writer's."""
+    # Pooled: opening a SQLite connection and setting its pragmas costs about a millisecond,
+    # as much as the transaction itself. _guard_fork keeps pooled connections per process.
+    engine = create_engine(
+        url, pool_size=5, max_overflow=20,
+        connect_args={"timeout": SQLITE_BUSY_SECONDS, "check_same_thread": False},
+    )
+    _guard_fork(engine)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Take over transaction control from pysqlite so BEGIN is ours to issue.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_SECONDS * 1000}")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        # Writers take the lock up front: a deferred transaction that reads and then writes can
+        # fail with SQLITE_BUSY at once instead of waiting on busy_timeout.
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+    return engine
+
+
+def server_engine(url: str, *, ping_after_idle: float | None) -> Engine:
+    """A pooled engine for a database server (PostgreSQL).
+
+    ``ping_after_idle`` (seconds): a pooled connection that sat idle at least that long is
+    tested with a round trip before use, and replaced if the server (a proxy, an idle timeout,
+    an operator) closed it meanwhile: for agent processes and the API, which idle between
+    bursts and would otherwise see their first statement after a pause fail. Under load the
+    pool hands out connections used moments ago, which are not pinged, so the ping costs
+    nothing there (``pool_pre_ping`` would cost a round trip on every transaction). ``None``
+    for workers: they retry their statements across a reconnect instead (``Store``).
+    """
+    connect_args: dict[str, Any] = {}
+    if make_url(url).get_driver_name() == "psycopg":
+        connect_args["prepare_threshold"] = PREPARE_THRESHOLD
+    engine = create_engine(url, pool_size=5, max_overflow=10, pool_recycle=1800,
+                           connect_args=connect_args)
+    _guard_fork(engine)
+    if ping_after_idle is not None:
+        _ping_after_idle(engine, ping_after_idle)
+    return engine
+
+
+def _ping_after_idle(engine: Engine, seconds: float) -> None:
+    @event.listens_for(engine, "checkin")
+    def _idle_from(_dbapi_conn: Any, record: Any) -> None:
+        record.info["idle_from"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _ping_if_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        idle_from = record.info.get("idle_from")
+        if idle_from is None or time.monotonic() - idle_from < seconds:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_conn)
+        except Exception as err:
+            # The pool discards this connection and opens a new one.
+            raise DisconnectionError("a pooled connection that sat idle was closed") from err
+
+
+def retryable(err: DBAPIError, *, sqlite: bool) -> bool:
+    """True when running the same transaction again may succeed: the connection was lost or
+    could not be made, the server shut the session down, or the database was busy (a
+    deadlock, a serialisation failure, SQLite's lock). False for errors in the statement or
+    the data (a missing table, a constraint), which would fail again the same way."""
+    if err.connection_invalidated:
+        return True
+    if isinstance(err, IntegrityError):
+        return False
+    if sqlite:
+        text = str(err.orig).lower()
+        return isinstance(err, SAOperationalError) and ("locked" in text or "busy" in text)
+    return isinstance(err, SAOperationalError | InterfaceError)
+
+
+# -- the store's clock --------------------------------------------------------------------------
+
+
+class store_now(FunctionElement[float]):  # lower case: it reads as the SQL function it is
+    """The store's current time, as UTC epoch seconds, evaluated by the database.
+
+    Leases are written and judged with it, so workers whose clocks disagree never disagree
+    about a lease. PostgreSQL: the server's ``clock_timestamp()`` (the time at which the
+    statement runs, not the start of its transaction). SQLite: ``julianday('now')``, the clock
+    of the machine; every process that writes a SQLite file runs on that one machine (SQLite
+    over a network file system is unsupported), so they all share that clock.
+    """
+
+    type = Float()
+    name = "dex_store_now"
+    inherit_cache = True
+
+
+@compiles(store_now, "postgresql")
+def _store_now_postgresql(_element: store_now, _compiler: SQLCompiler, **_kw: Any) -> str:
+    return "EXTRACT(EPOCH FROM clock_timestamp())::float8"
+
+
+@compiles(store_now, "sqlite")
+def _store_now_sqlite(_element: store_now, _compiler: SQLCompiler, **_kw: Any) -> str:
+    return "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+# -- serialising schema changes -----------------------------------------------------------------
+
+
+def lock_schema(conn: Connection) -> None:
+    """Hold, until ``conn``'s transaction ends, the lock every schema change takes first.
+
+    Two processes starting at once on a fresh PostgreSQL database would otherwise both find a
+    table missing and both create it; the second fails on the catalog's unique index. With the
+    lock the second waits, then finds the tables there. SQLite needs nothing: a writer's
+    ``BEGIN IMMEDIATE`` already holds the database's one write lock.
+    """
+    if conn.dialect.name == "postgresql":
+        conn.execute(select(func.pg_advisory_xact_lock(literal(SCHEMA_LOCK_KEY))))
+
+
+class ForkGuard:
+    """Keeps ``os.fork()`` from happening while another thread has a SQLite transaction open.
+
+    SQLite keeps its file-lock bookkeeping per process, in memory. A child forked while a
+    thread of its parent holds a lock inherits the bookkeeping but not the OS lock behind it,
+    and from then on every write the child tries fails with "database is locked". A worker's
+    main process renews leases from a thread while billiard forks replacement children, so
+    without this a child forked at the wrong moment failed every call it took. Forks wait
+    (bounded) until no transaction is open; transactions wait while a fork is under way.
+    """
+
+    FORK_WAIT_SECONDS = 10.0
+
+    def __init__(self) -> None:
+        self._reset()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(before=self._before_fork,
+                                after_in_parent=self._after_in_parent,
+                                after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+        self._forking = False
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Mark a SQLite transaction as open in this process for the ``with`` block."""
+        with self._cond:
+            # Bounded: a thread already inside a transaction must not wait on a fork that
+            # waits on it.
+            self._cond.wait_for(lambda: not self._forking, timeout=self.FORK_WAIT_SECONDS)
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    def _before_fork(self) -> None:
+        self._cond.acquire()
+        self._forking = True
+        # Bounded, so a fork from inside a transaction (which would wait on itself) goes on.
+        self._cond.wait_for(lambda: self._active == 0, timeout=self.FORK_WAIT_SECONDS)
+
+    def _after_in_parent(self) -> None:
+        self._forking = False
+        self._cond.notify_all()
+        self._cond.release()
+
+
+FORK_GUARD = ForkGuard()
