@@ -34,6 +34,8 @@ TARGETS: dict[str, Target] = {t.id: t for t in (
     Target("call_tool_vs_apply_async_p50", "call_tool p50 vs apply_async p50", "<=", 2.0, "x"),
     Target("sweep_growth", "deadline sweep time, largest vs smallest scale", "<", 2.0, "x"),
     Target("rss_growth", "worker RSS growth per 100k calls", "<", 10.0, "MB"),
+    Target("one_at_a_time_vs_raw", "one call at a time, call to result in hand, vs "
+           "apply_async().get() (p50)", "<=", 1.2, "x"),
 )}
 
 

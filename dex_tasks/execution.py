@@ -28,7 +28,7 @@ import redis
 from billiard.exceptions import SoftTimeLimitExceeded
 from celery import Celery, Task
 
-from dex_tasks import claims, retry
+from dex_tasks import claims, notify, retry
 from dex_tasks.celery_app import publish
 from dex_tasks.errors import OutcomeUnknownError, TransientToolError
 from dex_tasks.models import ToolCallRow
@@ -49,6 +49,11 @@ class Runtime:
     store: Store
     redis: redis.Redis
     app: Celery
+
+    def __post_init__(self) -> None:
+        # Every runtime ends calls (worker children, the main process, sweeps): announce each
+        # one on Redis after its commit, which wakes its waiters and counts it for /metrics.
+        notify.install(self.store, self.settings.redis_url)
 
 
 _runtime: Runtime | None = None

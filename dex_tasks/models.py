@@ -29,6 +29,10 @@ class ToolCallRow(SQLModel, table=True):
         # O(calls in that status), not O(all calls).
         Index("ix_dex_calls_status_lease", "status", "lease_expires_at"),
         Index("ix_dex_calls_status_published", "status", "published_at"),
+        # /metrics counts the open calls by tool and effect class from this index alone, so a
+        # scrape reads only the open calls' entries, never the ended ones (which grow for
+        # ever). It also serves every lookup by status.
+        Index("ix_dex_calls_status_tool_effect", "status", "tool", "effect"),
     )
 
     key: str = Field(primary_key=True, max_length=KEY_MAX)
@@ -42,7 +46,7 @@ class ToolCallRow(SQLModel, table=True):
     requires_approval: bool
     max_attempts: int
     time_limit: float | None = None
-    status: str = Field(index=True, max_length=32)
+    status: str = Field(max_length=32)
     prev_status: str | None = Field(default=None, max_length=32)
     result: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     error: str | None = Field(default=None, sa_column=Column(Text, nullable=True))

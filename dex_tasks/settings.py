@@ -69,6 +69,11 @@ class DexSettings(BaseSettings):
         default=60.0, ge=0,
         description="Cap on the retry delay.",
     )
+    wait_poll_seconds: float = Field(
+        default=1.0, gt=0,
+        description="How often wait reads the store while Redis notifications work (a safety "
+        "net for a lost notification; without Redis it polls every 5-200 ms).",
+    )
 
 
     def signing_key(self) -> str:

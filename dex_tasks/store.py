@@ -4,6 +4,11 @@
 (``UPDATE ... WHERE key = :key AND status IN (:allowed)``) whose row count says whether this
 caller won, and it writes the event row in the same transaction; a move to a terminal status
 also appends the call's tool message to the session's transcript there.
+
+Every call a committed transaction ended is then handed to the store's ``on_calls_ended``
+hooks, after the commit and never before: that is how waiters are woken and ended calls
+counted (``notify.py``), with no Redis import here. A hook that fails is logged; the
+transition it follows has committed and stays done.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -205,7 +211,8 @@ _GET_CALL = select(CALLS).where(CALLS.c.key == bindparam("get_key"))
 # no read of its own.
 _RETURNING = (CALLS.c.session_id, CALLS.c.prev_status)
 _RETURNING_TERMINAL = (*_RETURNING, CALLS.c.turn_id, CALLS.c.tool_call_id, CALLS.c.tool,
-                       CALLS.c.arguments, CALLS.c.result, CALLS.c.error)
+                       CALLS.c.arguments, CALLS.c.result, CALLS.c.error, CALLS.c.effect,
+                       CALLS.c.created_at)
 
 
 def _returning(to: CallStatus) -> tuple[Any, ...]:
@@ -229,6 +236,35 @@ def _transition_statement(
                 **{k: bindparam(f"v_{k}") for k in fields})
         .returning(*_returning(to))
     )
+
+
+@dataclass(frozen=True)
+class EndedCall:
+    """A call a committed transaction ended: what the ``on_calls_ended`` hooks are given."""
+
+    key: str
+    session_id: str
+    tool: str
+    effect: str
+    status: CallStatus
+    created_at: float
+    finished_at: float
+
+
+EndedHook = Callable[[Sequence[EndedCall]], None]
+
+# Where a write transaction collects the calls it ends, until it has committed (conn.info).
+_ENDED = "dex_ended_calls"
+
+
+def note_ended(conn: Connection, key: str, to: CallStatus, row: Any, now: float) -> None:
+    """Remember that this transaction ends call ``key`` (``row``: what its UPDATE returned),
+    for the hooks that run once it has committed (see :meth:`Store.write`)."""
+    ended = conn.info.get(_ENDED)
+    if ended is not None:
+        ended.append(EndedCall(key=key, session_id=row.session_id, tool=row.tool,
+                               effect=row.effect, status=to, created_at=row.created_at,
+                               finished_at=now))
 
 
 class _ForkGuard:
@@ -305,6 +341,29 @@ class Store:
             )
             _guard_fork(self.engine)
             self.read_engine = self.engine
+        self._ended_hooks: list[EndedHook] = []
+
+    def on_calls_ended(self, hook: EndedHook) -> None:
+        """Run ``hook`` with the calls each committed write transaction ended, after its commit.
+
+        Hooks run in the committing thread, in the order they were added, each guarded: one
+        that raises is logged and the others still run. ``hook`` is added once, however often
+        it is passed.
+        """
+        if hook not in self._ended_hooks:
+            self._ended_hooks.append(hook)
+
+    def ended_hooks(self) -> list[EndedHook]:
+        """The hooks added with :meth:`on_calls_ended`, in order."""
+        return list(self._ended_hooks)
+
+    def _calls_ended(self, ended: Sequence[EndedCall]) -> None:
+        for hook in self._ended_hooks:
+            try:
+                hook(ended)
+            except Exception:
+                log.exception("a hook on ended calls failed",
+                              extra={"action": "ended_hook_error", "calls": len(ended)})
 
     def create_all(self) -> None:
         """Create the tables and indexes that do not exist yet."""
@@ -341,9 +400,20 @@ class Store:
 
     @contextmanager
     def write(self) -> Iterator[Connection]:
-        """A write transaction; commits on success, rolls back on error."""
+        """A write transaction; commits on success, rolls back on error.
+
+        The calls it ended go to the ``on_calls_ended`` hooks once it has committed (and
+        nowhere if it rolled back).
+        """
+        ended: list[EndedCall] = []
         with self._fork_safe(), self._errors(), self.engine.begin() as conn:
-            yield conn
+            conn.info[_ENDED] = ended
+            try:
+                yield conn
+            finally:
+                conn.info.pop(_ENDED, None)
+        if ended:
+            self._calls_ended(ended)
 
     @contextmanager
     def read(self) -> Iterator[Connection]:
@@ -372,7 +442,8 @@ class Store:
         ``match`` adds equality guards on columns (the owning worker, an attempt count) and
         ``where`` any other guard; ``values`` sets other columns in the same statement. The
         event row is written in the same transaction, and so is, when ``to`` is terminal, the
-        call's tool message in the session's transcript.
+        call's tool message in the session's transcript. ``conn`` runs it inside a
+        transaction of :meth:`write`, whose commit hands a call it ended to the hooks.
         """
         legal = ALLOWED_FROM[to]
         sources = frozenset(legal if allowed is None else allowed)
@@ -431,6 +502,7 @@ class Store:
             "created_at": now,
         })
         if to.terminal:
+            note_ended(conn, key, to, row, now)
             # The call's tool message, in the transaction that makes it terminal: a call
             # that ends has its message, and the guarded UPDATE above matches once, so it
             # never gets two (the unique index on the key is the backstop).
@@ -477,6 +549,49 @@ class Store:
         except IntegrityError:
             return False
         return True
+
+    def insert_calls(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        interrupts: Sequence[Mapping[str, Any]] = (),
+        *,
+        then: Callable[[Connection], None] | None = None,
+    ) -> bool:
+        """Insert several new calls (and their interrupts) with their first events in ONE
+        transaction; False, with nothing written, if any of the keys exists already.
+
+        ``then(conn)`` runs in the same transaction after the inserts (the client ends calls
+        with invalid arguments there), so the whole batch commits or none of it does.
+        """
+        if not rows:
+            return True
+        try:
+            with self.write() as conn:
+                conn.execute(_INSERT_CALL, [dict(r) for r in rows])
+                if interrupts:
+                    conn.execute(_INSERT_INTERRUPT, [dict(i) for i in interrupts])
+                conn.execute(_INSERT_EVENT, [{
+                    "session_id": r["session_id"],
+                    "key": r["key"],
+                    "event": "tool_call_requested",
+                    "from_status": None,
+                    "to_status": r["status"],
+                    "detail": None,
+                    "created_at": r["created_at"],
+                } for r in rows])
+                if then is not None:
+                    then(conn)
+        except IntegrityError:
+            return False
+        return True
+
+    def get_calls(self, keys: Sequence[str]) -> dict[str, ToolCallRow]:
+        """The stored calls among ``keys`` (one read), by key; missing keys are left out."""
+        if not keys:
+            return {}
+        with self.read() as conn:
+            rows = conn.execute(select(CALLS).where(CALLS.c.key.in_(list(keys)))).mappings()
+            return {r["key"]: ToolCallRow.model_validate(dict(r)) for r in rows}
 
     def get_call(self, key: str) -> ToolCallRow | None:
         """The stored call, or None."""

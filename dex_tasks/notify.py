@@ -1,0 +1,395 @@
+"""Notifications when calls end: waiters wake at once instead of polling the store.
+
+Two sides, both on Redis pub/sub, one channel per call (``dex:ended:<key>``):
+
+* **Sending** (:class:`EndedNotifier`): a hook on the store (``Store.on_calls_ended``) that
+  runs after every commit that ended calls, whoever committed it: a worker finishing a tool,
+  the main process recording a lost child, a sweep reaping, expiring or failing calls, a
+  client rejecting one or ending it "did not run". In one Redis round trip it publishes each
+  call's new status on its channel and counts the call for ``/metrics``
+  (:func:`metrics.count_ended`). Wired by :func:`install` wherever a store that ends calls is
+  built (``execution.Runtime``, ``DexClient``). Redis being down never fails or holds up the
+  transition: the hook logs once, stays quiet for a second, and waiters fall back to polling.
+* **Waiting** (:class:`CallWatcher`): one pub/sub connection per client process, read by a
+  background thread, shared by every ``wait`` of the process (sync and async clients). A
+  waiter reads the store, subscribes to its call's channel and reads the store again on every
+  wake-up: when its subscription is confirmed, when a message arrives, when the connection is
+  lost, and every ``wait_poll_seconds`` regardless. A notification only says "read the store
+  now"; the store stays the one source of truth, so a message that is lost (Redis down, a
+  publish that failed, a subscription confirmed after the call ended) costs at most one poll
+  interval, never a wrong answer.
+
+Why pub/sub and not a per-call list with ``BLPOP``: ``BLPOP`` needs no confirmation step, but it
+holds one Redis connection per waiting call (an asyncio agent waiting on 40 calls at once holds
+40), leaves a key per ended call in Redis until it expires, and wakes only one of several
+waiters of the same call. Pub/sub costs one connection per process and nothing in Redis when
+nobody listens; the race it has (a call ending between the waiter's read and its subscription)
+is closed by reading the store again once the subscription is confirmed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import redis
+from redis.asyncio import Redis as AsyncRedis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from dex_tasks.metrics import count_ended
+
+if TYPE_CHECKING:
+    from dex_tasks.store import EndedCall, Store
+
+log = logging.getLogger("dex_tasks.notify")
+
+CHANNEL_PREFIX = "dex:ended:"
+"""Prefix of the pub/sub channel of one call: ``dex:ended:<idempotency key>``."""
+
+QUIET_AFTER_ERROR_SECONDS = 1.0
+"""How long a notifier that could not reach Redis stays quiet before it tries again."""
+
+REDIS_TIMEOUT_SECONDS = 1.0
+"""Connect and reply timeout of the notifier's Redis client: a dead Redis delays a commit's
+hooks by at most this much, once per quiet period."""
+
+# The watcher's connection: a channel it always listens on (so the connection is in subscribed
+# mode from the start), how long it may hear nothing before it pings, and how long without any
+# reply (pong included) before it takes the connection for dead and opens another.
+_HEARTBEAT_CHANNEL = "dex:ended:-watcher-"
+_IDLE_PING_SECONDS = 5.0
+_DEAD_AFTER_SECONDS = 15.0
+_RECONNECT_FIRST_PAUSE = 0.05
+_RECONNECT_MAX_PAUSE = 2.0
+
+
+def ended_channel(key: str) -> str:
+    """The pub/sub channel the end of call ``key`` is announced on."""
+    return CHANNEL_PREFIX + key
+
+
+# -- sending ------------------------------------------------------------------------------------
+
+
+class EndedNotifier:
+    """Store hook: announces ended calls on Redis and counts them, after the commit.
+
+    Never raises: an unreachable Redis is logged (once per outage) and the notifier skips
+    Redis for :data:`QUIET_AFTER_ERROR_SECONDS`, so a store that keeps ending calls during an
+    outage does not wait on Redis for each of them.
+    """
+
+    def __init__(self, redis_url: str) -> None:
+        self.redis_url = redis_url
+        self._client: redis.Redis | None = None
+        self._quiet_until = 0.0
+        self._failing = False
+
+    @property
+    def client(self) -> redis.Redis:
+        """The notifier's own Redis client: short timeouts and no retries (created on first
+        use; redis-py's pool opens new connections after a fork by itself)."""
+        if self._client is None:
+            self._client = redis.Redis.from_url(
+                self.redis_url, socket_timeout=REDIS_TIMEOUT_SECONDS,
+                socket_connect_timeout=REDIS_TIMEOUT_SECONDS, retry=Retry(NoBackoff(), 0),
+            )
+        return self._client
+
+    def __call__(self, ended: Sequence[EndedCall]) -> None:
+        if not ended or time.monotonic() < self._quiet_until:
+            return
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for call in ended:
+                pipe.publish(ended_channel(call.key), call.status.value)
+            count_ended(pipe, ended)
+            pipe.execute()
+        except Exception as err:  # noqa: BLE001 - a notification is never worth a failure
+            self._quiet_until = time.monotonic() + QUIET_AFTER_ERROR_SECONDS
+            if not self._failing:
+                self._failing = True
+                log.warning("ended calls not announced on Redis; waiters fall back to "
+                            "polling the store", extra={"action": "notify_failed",
+                                                        "calls": len(ended),
+                                                        "error": f"{type(err).__name__}: {err}"})
+            return
+        if self._failing:
+            self._failing = False
+            log.info("ended calls announced on Redis again", extra={"action": "notify_resumed"})
+
+    def close(self) -> None:
+        """Close the notifier's Redis connections."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def install(store: Store, redis_url: str) -> EndedNotifier:
+    """Make every call ``store`` ends announced on the Redis at ``redis_url`` (and counted);
+    returns the store's notifier (the one already installed for that URL, if any)."""
+    for hook in store.ended_hooks():
+        if isinstance(hook, EndedNotifier) and hook.redis_url == redis_url:
+            return hook
+    notifier = EndedNotifier(redis_url)
+    store.on_calls_ended(notifier)
+    return notifier
+
+
+# -- waiting ------------------------------------------------------------------------------------
+
+
+class Watch:
+    """One waiter's interest in one call: woken (``wait`` returns True, ``on_wake`` runs) when
+    the call's channel has news, the subscription is confirmed, or the connection changes."""
+
+    def __init__(self, watcher: CallWatcher, channel: str,
+                 on_wake: Callable[[], None] | None) -> None:
+        self.watcher = watcher
+        self.channel = channel
+        self._on_wake = on_wake
+        self._event = threading.Event()
+
+    @property
+    def live(self) -> bool:
+        """Whether notifications can reach this watch now (the watcher is connected)."""
+        return self.watcher.live
+
+    def wake(self) -> None:
+        """Wake the waiter (called from the watcher's thread)."""
+        self._event.set()
+        if self._on_wake is not None:
+            try:
+                self._on_wake()
+            except Exception:
+                log.debug("a waiter's wake-up callback failed", exc_info=True)
+
+    def wait(self, timeout: float) -> bool:
+        """Block until woken or ``timeout``; True if woken. Clears the wake-up."""
+        woken = self._event.wait(timeout)
+        self._event.clear()
+        return woken
+
+    def close(self) -> None:
+        """Stop watching (unsubscribes when this was the channel's last watch)."""
+        self.watcher.release(self)
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+class CallWatcher:
+    """The waiting side: one Redis pub/sub connection, read by a background thread.
+
+    Every pub/sub command runs on that thread (redis-py's pub/sub objects must not be shared
+    between threads): the thread runs an asyncio loop with a reader task and a task that sends
+    the SUBSCRIBE / UNSUBSCRIBE commands waiters ask for, in the order they asked. The thread
+    starts on first use, reconnects with backoff when the connection is lost, and wakes every
+    waiter when it is (they poll the store quickly until it is back).
+    """
+
+    def __init__(self, redis_url: str) -> None:
+        self.redis_url = redis_url
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._watches: dict[str, list[Watch]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._requests: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+        self._live = False
+        self._closed = False
+        self._main: asyncio.Task[None] | None = None
+
+    @property
+    def live(self) -> bool:
+        """Whether the watcher is connected and reading (notifications can arrive)."""
+        return self._live
+
+    def watch(self, key: str, on_wake: Callable[[], None] | None = None) -> Watch:
+        """Start watching call ``key``; the caller reads the store after each wake-up and
+        closes the watch when done (``with watcher.watch(key) as w: ...``)."""
+        if self._pid != os.getpid():
+            # A forked child cannot use its parent's thread or connection: start afresh.
+            self._reset()
+        channel = ended_channel(key)
+        watch = Watch(self, channel, on_wake)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the call watcher is closed")
+            self._start()
+            watches = self._watches.setdefault(channel, [])
+            watches.append(watch)
+            if len(watches) == 1:
+                self._request("subscribe", channel)
+        return watch
+
+    def release(self, watch: Watch) -> None:
+        """Forget ``watch``; unsubscribe its channel if no other watch needs it."""
+        with self._lock:
+            watches = self._watches.get(watch.channel)
+            if watches is None or watch not in watches:
+                return
+            watches.remove(watch)
+            if not watches:
+                del self._watches[watch.channel]
+                self._request("unsubscribe", watch.channel)
+
+    def close(self) -> None:
+        """Stop the thread and close the connection (waits up to two seconds)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            loop, thread, main = self._loop, self._thread, self._main
+        if loop is not None and main is not None and self._pid == os.getpid():
+            try:
+                loop.call_soon_threadsafe(main.cancel)
+            except RuntimeError:
+                pass  # the loop has already stopped
+        if thread is not None and self._pid == os.getpid():
+            thread.join(2.0)
+
+    # -- under self._lock -----------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._thread is not None:
+            return
+        loop = asyncio.new_event_loop()
+        # Created before the thread runs the loop, so close() can always cancel it.
+        main = self._main = loop.create_task(self._run())
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(main)
+            except asyncio.CancelledError:
+                pass
+            finally:
+                self._live = False
+                loop.close()
+
+        self._loop = loop
+        self._thread = threading.Thread(target=run, name="dex-call-watcher", daemon=True)
+        self._thread.start()
+
+    def _request(self, kind: str, channel: str) -> None:
+        if self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._requests.put_nowait, (kind, channel))
+        except RuntimeError:
+            pass  # the loop has stopped (closing): nothing to subscribe any more
+
+    # -- the watcher's thread -------------------------------------------------------------------
+
+    def _wake(self, channel: str | None) -> None:
+        with self._lock:
+            if channel is None:
+                watches = [w for ws in self._watches.values() for w in ws]
+            else:
+                watches = list(self._watches.get(channel, ()))
+        for watch in watches:
+            watch.wake()
+
+    async def _run(self) -> None:
+        pause = _RECONNECT_FIRST_PAUSE
+        failing = False
+        while not self._closed:
+            client = _async_client(self.redis_url)
+            pubsub = client.pubsub()
+            tasks: list[asyncio.Task[None]] = []
+            try:
+                await pubsub.subscribe(_HEARTBEAT_CHANNEL)
+                with self._lock:
+                    channels = list(self._watches)
+                if channels:
+                    await pubsub.subscribe(*channels)
+                self._live = True
+                if failing:
+                    log.info("call watcher reconnected", extra={"action": "watcher_resumed"})
+                failing = False
+                pause = _RECONNECT_FIRST_PAUSE
+                tasks = [asyncio.create_task(self._read(pubsub)),
+                         asyncio.create_task(self._send(pubsub))]
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - any failure: reconnect, waiters poll
+                if not failing:
+                    failing = True
+                    log.warning("call watcher lost Redis; waits poll the store until it is "
+                                "back", extra={"action": "watcher_failed",
+                                               "error": f"{type(err).__name__}: {err}"})
+            finally:
+                self._live = False
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                # Messages may have been missed: every waiter reads the store again.
+                self._wake(None)
+                try:
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await client.aclose()
+                except Exception:  # noqa: BLE001 - closing a dead connection
+                    pass
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, _RECONNECT_MAX_PAUSE)
+
+    async def _read(self, pubsub: Any) -> None:
+        loop = asyncio.get_running_loop()
+        heard = pinged = loop.time()
+        while True:
+            message = await pubsub.get_message(timeout=1.0)
+            now = loop.time()
+            if message is None:
+                if now - heard > _DEAD_AFTER_SECONDS:
+                    raise ConnectionError(f"no reply from Redis for {now - heard:.0f}s")
+                if now - heard > _IDLE_PING_SECONDS and now - pinged > _IDLE_PING_SECONDS:
+                    pinged = now
+                    await pubsub.ping()
+                continue
+            heard = now
+            kind = message.get("type")
+            if kind in ("message", "subscribe"):
+                channel = message.get("channel")
+                if isinstance(channel, bytes):
+                    channel = channel.decode("utf-8", "surrogateescape")
+                # A confirmed subscription wakes its waiters too: their call may have ended
+                # before it, and they must read the store once more.
+                self._wake(str(channel))
+
+    async def _send(self, pubsub: Any) -> None:
+        while True:
+            kind, channel = await self._requests.get()
+            batch = [(kind, channel)]
+            while not self._requests.empty():
+                batch.append(self._requests.get_nowait())
+            # Consecutive requests of one kind go in one command; the order is kept, so a
+            # channel released and watched again ends subscribed.
+            run: list[str] = []
+            for i, (k, c) in enumerate(batch):
+                run.append(c)
+                if i + 1 == len(batch) or batch[i + 1][0] != k:
+                    await (pubsub.subscribe if k == "subscribe" else pubsub.unsubscribe)(*run)
+                    run = []
+
+
+def _async_client(url: str) -> AsyncRedis:
+    """The watcher's Redis client: no retries of its own (the watcher reconnects itself)."""
+    return AsyncRedis.from_url(url, socket_connect_timeout=2.0, socket_keepalive=True,
+                               retry=AsyncRetry(NoBackoff(), 0))
