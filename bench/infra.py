@@ -41,6 +41,8 @@ STORES = ("sqlite", "postgres")
 READ_TOOL = "bench_noop_read"
 SINGLE_ATTEMPT_TOOL = "bench_noop_write"
 TOOLS_MODULE = "bench.noop_tools"
+IO_TOOL = "bench_io_sleep"
+IO_TOOLS_MODULE = "bench.io_tools"
 
 T = TypeVar("T")
 
