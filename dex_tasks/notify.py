@@ -210,13 +210,16 @@ class CallWatcher:
         self._thread: threading.Thread | None = None
         self._requests: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
         self._live = False
+        self._failed = False  # a connection failed and no new one is up yet
         self._closed = False
         self._main: asyncio.Task[None] | None = None
 
     @property
     def live(self) -> bool:
-        """Whether the watcher is connected and reading (notifications can arrive)."""
-        return self._live
+        """Whether notifications can reach the waiters: the watcher is connected, or making
+        its first connection (which ends in a wake-up either way: each subscription's
+        confirmation, or every waiter woken when it fails). False while Redis is down."""
+        return self._live or not self._failed
 
     def watch(self, key: str, on_wake: Callable[[], None] | None = None) -> Watch:
         """Start watching call ``key``; the caller reads the store after each wake-up and
@@ -318,6 +321,7 @@ class CallWatcher:
                 if channels:
                     await pubsub.subscribe(*channels)
                 self._live = True
+                self._failed = False
                 if failing:
                     log.info("call watcher reconnected", extra={"action": "watcher_resumed"})
                 failing = False
@@ -330,6 +334,7 @@ class CallWatcher:
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - any failure: reconnect, waiters poll
+                self._failed = True
                 if not failing:
                     failing = True
                     log.warning("call watcher lost Redis; waits poll the store until it is "

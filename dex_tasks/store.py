@@ -405,8 +405,16 @@ class Store:
         The calls it ended go to the ``on_calls_ended`` hooks once it has committed (and
         nowhere if it rolled back).
         """
+        with self._fork_safe(), self._errors(), self.committing(self.engine) as conn:
+            yield conn
+
+    @contextmanager
+    def committing(self, engine: Engine) -> Iterator[Connection]:
+        """``engine.begin()`` that, once the transaction has committed, hands the calls it
+        ended (:func:`note_ended`) to the ``on_calls_ended`` hooks. Every write transaction
+        that may end a call opens through here."""
         ended: list[EndedCall] = []
-        with self._fork_safe(), self._errors(), self.engine.begin() as conn:
+        with engine.begin() as conn:
             conn.info[_ENDED] = ended
             try:
                 yield conn

@@ -269,8 +269,8 @@ def test_wait_polls_quickly_while_redis_is_unreachable(sqlite_url: str,
         record = writer.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1",
                                   tool="lookup_order", arguments={"order_id": "1001"})
         thread, out = _wait_in_thread(waiter, record.key)
-        wait_until(lambda: waiter._watcher is not None, 5, "the waiter to subscribe")
-        assert not waiter.watcher.live
+        wait_until(lambda: waiter._watcher is not None and not waiter.watcher.live, 10,
+                   "the waiter's watcher to find Redis down")
         # When the call ends
         assert writer.store.transition(record.key, CallStatus.RUNNING)
         assert writer.store.transition(record.key, CallStatus.SUCCEEDED, values={"result": "1"})
