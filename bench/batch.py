@@ -15,8 +15,6 @@ in hand), p50/p99, and the ratio of the p50s (median over rounds).
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,9 +26,9 @@ from rich.table import Table
 from bench.infra import (
     READ_TOOL,
     BenchError,
-    RedisServer,
+    bench_session,
+    by_variant,
     fresh_store,
-    machine_info,
     median,
     percentile,
     save_results,
@@ -85,11 +83,8 @@ def run_batch(
     if turns < 1 or rounds < 1:
         raise BenchError(f"--turns and --rounds must be at least 1, got {turns} and {rounds}")
     console = console or Console()
-    redis_server = RedisServer().start()
-    machine = machine_info(redis_server, postgres_url if "postgres" in stores else None)
-    workdir = Path(tempfile.mkdtemp(prefix="dex-bench-batch-"))
     results: list[Turns] = []
-    try:
+    with bench_session("batch", stores, postgres_url) as (redis_server, machine, workdir):
         for kind in stores:
             with fresh_store(kind, postgres_url, workdir) as url, \
                     console.status(f"turns on {kind}: {rounds} x {turns} per variant"):
@@ -117,9 +112,6 @@ def run_batch(
                     raise BenchError(str(err)) from err
                 finally:
                     bench.stop()
-    finally:
-        redis_server.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
     rows = aggregate(results)
     print_table(console, rows, turns, rounds)
     payload = {
@@ -133,29 +125,21 @@ def run_batch(
 
 
 def aggregate(results: list[Turns]) -> list[dict[str, Any]]:
-    by = {(t.store, t.variant, t.round): t for t in results}
     rows: list[dict[str, Any]] = []
-    for store in dict.fromkeys(t.store for t in results):
-        for variant in VARIANTS:
-            runs = [t for t in results if t.store == store and t.variant == variant]
-            send = [s for t in runs for s in t.send]
-            total = [s for t in runs for s in t.total]
-            base = [by[(store, VARIANTS[1], t.round)] for t in runs]
-            single_send = [s for t in base for s in t.send]
-            rows.append({
-                "store": store, "variant": variant, "turns": len(send),
-                "send_p50_ms": _ms(percentile(send, 50)),
-                "send_p99_ms": _ms(percentile(send, 99)),
-                "total_p50_ms": _ms(percentile(total, 50)),
-                "total_p99_ms": _ms(percentile(total, 99)),
-                "single_send_p50_ms": _ms(percentile(single_send, 50)),
-                "send_vs_single": round(median(
-                    [median(t.send) / median(b.send) for t, b in zip(runs, base, strict=True)]),
-                    3),
-                "total_vs_single": round(median(
-                    [median(t.total) / median(b.total) for t, b in zip(runs, base, strict=True)]),
-                    3),
-            })
+    for store, variant, runs, base in by_variant(results, VARIANTS, VARIANTS[1]):
+        send = [s for t in runs for s in t.send]
+        total = [s for t in runs for s in t.total]
+        rows.append({
+            "store": store, "variant": variant, "turns": len(send),
+            "send_p50_ms": _ms(percentile(send, 50)),
+            "send_p99_ms": _ms(percentile(send, 99)),
+            "total_p50_ms": _ms(percentile(total, 50)),
+            "total_p99_ms": _ms(percentile(total, 99)),
+            "send_vs_single": round(median(
+                [median(t.send) / median(b.send) for t, b in zip(runs, base, strict=True)]), 3),
+            "total_vs_single": round(median(
+                [median(t.total) / median(b.total) for t, b in zip(runs, base, strict=True)]), 3),
+        })
     return rows
 
 

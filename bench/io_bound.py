@@ -16,10 +16,8 @@ and only Celery's figures are printed.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -38,12 +36,13 @@ from bench.infra import (
     BenchError,
     RedisServer,
     WorkerProcess,
+    bench_session,
+    by_variant,
     child_env,
     fresh_store,
-    machine_info,
     median,
     save_results,
-    wait_for,
+    wait_for_catalog,
 )
 from bench.targets import check, print_targets
 from dex_tasks import CallStatus, DexClient, DexSettings
@@ -139,16 +138,7 @@ class IoBench:
             self.client = DexClient(DexSettings(redis_url=self.redis_server.url(DEX_DB),
                                                 database_url=self.database_url),
                                     create_tables=False)
-            client = self.client
-
-            def published() -> bool:
-                self.check_alive()
-                try:
-                    return client.store.get_catalog(IO_TOOL) is not None
-                except Exception:  # noqa: BLE001 - the tables may not exist yet
-                    return False
-
-            wait_for(published, 60, "the dex-tasks worker to publish its catalog")
+            wait_for_catalog(self.client, IO_TOOL, self.check_alive)
         # Both answer a first call before any round is timed.
         self.run("raw", 4, 0.0, "warm")
         if self.with_dex:
@@ -246,13 +236,10 @@ def run_io(
                    "the routing branch): the dex-tasks variant is skipped; Celery's figures "
                    "only")
         console.print(f"[yellow]{skipped}[/yellow]")
-    redis_server = RedisServer().start()
-    machine = machine_info(redis_server, postgres_url if "postgres" in stores else None)
-    workdir = Path(tempfile.mkdtemp(prefix="dex-bench-io-"))
     results: list[IoRound] = []
     idle: dict[tuple[str, str], int] = {}
     variants = VARIANTS if with_dex else ("raw",)
-    try:
+    with bench_session("io", stores, postgres_url) as (redis_server, machine, workdir):
         for kind in stores:
             with fresh_store(kind, postgres_url, workdir) as url:
                 bench = IoBench(redis_server, url, workdir, concurrency, with_dex)
@@ -275,9 +262,6 @@ def run_io(
                         bench.purge()
                 finally:
                     bench.stop()
-    finally:
-        redis_server.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
     rows = aggregate(results, idle)
     targets = io_targets(rows, skipped)
     print_table(console, rows, calls, seconds, concurrency, rounds)
@@ -298,25 +282,19 @@ def run_io(
 
 
 def aggregate(results: list[IoRound], idle: dict[tuple[str, str], int]) -> list[dict[str, Any]]:
-    by = {(r.store, r.variant, r.round): r for r in results}
     rows: list[dict[str, Any]] = []
-    for store in dict.fromkeys(r.store for r in results):
-        for variant in VARIANTS:
-            runs = [r for r in results if r.store == store and r.variant == variant]
-            if not runs:
-                continue
-            raw_runs = [by[(store, "raw", r.round)] for r in runs]
-            rows.append({
-                "store": store, "variant": variant,
-                "wall_s": round(median([r.wall for r in runs]), 3),
-                "wall_rounds_s": [round(r.wall, 3) for r in runs],
-                "send_s": round(median([r.send for r in runs]), 3),
-                "vs_raw": round(median([r.wall / b.wall for r, b in
-                                        zip(runs, raw_runs, strict=True)]), 3),
-                "idle_rss_mb": round(idle.get((store, variant), 0) / MB, 1),
-                "peak_rss_mb": round(max(r.peak_rss for r in runs) / MB, 1),
-                "failures": sum(r.failures for r in runs),
-            })
+    for store, variant, runs, raw_runs in by_variant(results, VARIANTS, "raw"):
+        rows.append({
+            "store": store, "variant": variant,
+            "wall_s": round(median([r.wall for r in runs]), 3),
+            "wall_rounds_s": [round(r.wall, 3) for r in runs],
+            "send_s": round(median([r.send for r in runs]), 3),
+            "vs_raw": round(median([r.wall / b.wall for r, b in
+                                    zip(runs, raw_runs, strict=True)]), 3),
+            "idle_rss_mb": round(idle.get((store, variant), 0) / MB, 1),
+            "peak_rss_mb": round(max(r.peak_rss for r in runs) / MB, 1),
+            "failures": sum(r.failures for r in runs),
+        })
     return rows
 
 

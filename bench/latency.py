@@ -20,8 +20,6 @@ Workers: the throughput benchmark's (``-c 2`` prefork each, one private Redis).
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +31,9 @@ from rich.table import Table
 from bench import raw_tasks
 from bench.infra import (
     BenchError,
-    RedisServer,
+    bench_session,
+    by_variant,
     fresh_store,
-    machine_info,
     median,
     percentile,
     save_results,
@@ -124,11 +122,8 @@ def run_latency(
     if calls < 1 or rounds < 1:
         raise BenchError(f"--calls and --rounds must be at least 1, got {calls} and {rounds}")
     console = console or Console()
-    redis_server = RedisServer().start()
-    machine = machine_info(redis_server, postgres_url if "postgres" in stores else None)
-    workdir = Path(tempfile.mkdtemp(prefix="dex-bench-latency-"))
     results: list[Samples] = []
-    try:
+    with bench_session("latency", stores, postgres_url) as (redis_server, machine, workdir):
         for kind in stores:
             with fresh_store(kind, postgres_url, workdir) as url, \
                     console.status(f"latency on {kind}: {rounds} x {calls} calls per variant"):
@@ -141,9 +136,6 @@ def run_latency(
                         bench.purge()
                 finally:
                     bench.stop()
-    finally:
-        redis_server.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
     rows = aggregate(results)
     targets = latency_targets(rows)
     print_table(console, rows, calls, rounds)
@@ -165,27 +157,21 @@ def run_latency(
 def aggregate(results: list[Samples]) -> list[dict[str, Any]]:
     """Per store and variant: pooled percentiles, and the median over rounds of the ratio of
     this variant's p50 to raw's p50 in the same round."""
-    by = {(s.store, s.variant, s.round): s for s in results}
     rows: list[dict[str, Any]] = []
-    for store in dict.fromkeys(s.store for s in results):
-        for variant in VARIANTS:
-            runs = [s for s in results if s.store == store and s.variant == variant]
-            if not runs:
-                continue
-            total = [t for s in runs for t in s.total]
-            send = [t for s in runs for t in s.send]
-            ratio = [median(s.total) / median(by[(store, "raw", s.round)].total) for s in runs]
-            send_ratio = [median(s.send) / median(by[(store, "raw", s.round)].send)
-                          for s in runs]
-            rows.append({
-                "store": store, "variant": variant, "calls": len(total),
-                "total_p50_ms": _ms(percentile(total, 50)),
-                "total_p99_ms": _ms(percentile(total, 99)),
-                "send_p50_ms": _ms(percentile(send, 50)),
-                "send_p99_ms": _ms(percentile(send, 99)),
-                "vs_raw": round(median(ratio), 3),
-                "send_vs_raw": round(median(send_ratio), 3),
-            })
+    for store, variant, runs, raw in by_variant(results, VARIANTS, "raw"):
+        total = [t for s in runs for t in s.total]
+        send = [t for s in runs for t in s.send]
+        ratio = [median(s.total) / median(b.total) for s, b in zip(runs, raw, strict=True)]
+        send_ratio = [median(s.send) / median(b.send) for s, b in zip(runs, raw, strict=True)]
+        rows.append({
+            "store": store, "variant": variant, "calls": len(total),
+            "total_p50_ms": _ms(percentile(total, 50)),
+            "total_p99_ms": _ms(percentile(total, 99)),
+            "send_p50_ms": _ms(percentile(send, 50)),
+            "send_p99_ms": _ms(percentile(send, 99)),
+            "vs_raw": round(median(ratio), 3),
+            "send_vs_raw": round(median(send_ratio), 3),
+        })
     return rows
 
 

@@ -10,8 +10,6 @@ query a scrape ran before the counters: a ``GROUP BY`` over every call.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -25,9 +23,8 @@ from sqlalchemy import func, select, text
 
 from bench.infra import (
     BenchError,
-    RedisServer,
+    bench_session,
     fresh_store,
-    machine_info,
     median,
     percentile,
     save_results,
@@ -84,13 +81,10 @@ def run_scrape(
     if open_calls < 0 or repeats < 1:
         raise BenchError(f"--open must be >= 0 and --repeats >= 1, got {open_calls}, {repeats}")
     console = console or Console()
-    redis_server = RedisServer().start()
-    machine = machine_info(redis_server, postgres_url if "postgres" in stores else None)
-    workdir = Path(tempfile.mkdtemp(prefix="dex-bench-scrape-"))
     rows: list[dict[str, Any]] = []
     now = time.time()
     levels = sorted({0, *scales})
-    try:
+    with bench_session("scrape", stores, postgres_url) as (redis_server, machine, workdir):
         for kind in stores:
             with ExitStack() as stack:
                 counters = redis.Redis.from_url(redis_server.url(0))
@@ -126,9 +120,6 @@ def run_scrape(
                                  "scrape_ms": round(median(scrapes[n]) * 1000, 3),
                                  "scrape_p90_ms": round(percentile(scrapes[n], 90) * 1000, 3),
                                  "old_scan_ms": round(median(scans[n]) * 1000, 3)})
-    finally:
-        redis_server.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
     targets = []
     for kind in stores:
         mine = [r for r in rows if r["store"] == kind]

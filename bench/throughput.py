@@ -59,7 +59,7 @@ from bench.infra import (
     median,
     percentile,
     save_results,
-    wait_for,
+    wait_for_catalog,
 )
 from bench.targets import check, print_targets
 from dex_tasks import CallStatus, DexClient, DexSettings
@@ -257,16 +257,7 @@ class Bench:
         # The worker creates the tables and publishes the catalog; the client waits for that,
         # so two processes never race to create the same tables.
         self.client = DexClient(settings, create_tables=False)
-        client = self.client
-
-        def published() -> bool:
-            self.check_alive()
-            try:
-                return client.store.get_catalog(SINGLE_ATTEMPT_TOOL) is not None
-            except Exception:  # noqa: BLE001 - the tables may not exist yet
-                return False
-
-        wait_for(published, 60, "the dex-tasks worker to publish its catalog")
+        wait_for_catalog(self.client, SINGLE_ATTEMPT_TOOL, self.check_alive)
         for worker in self.workers:
             worker.wait_children(CONCURRENCY)
         return self

@@ -21,7 +21,7 @@ from typing import Any
 
 from dex_tasks.calls import ToolCallRequest
 from dex_tasks.catalog import ToolSpec
-from dex_tasks.client import FAST_POLL_FIRST, FAST_POLL_MAX, DexClient
+from dex_tasks.client import FAST_POLL_FIRST, DexClient, next_pause
 from dex_tasks.policy import EffectClass
 from dex_tasks.records import AgentSnapshot, CallEvent, SessionMessage, ToolCallRecord
 from dex_tasks.settings import DexSettings
@@ -147,10 +147,7 @@ class AsyncDexClient:
                     raise TimeoutError(
                         f"call {key!r} is still {record.status.value} after {timeout}s"
                     )
-                if watch.live:
-                    pause, fast = self.settings.wait_poll_seconds, FAST_POLL_FIRST
-                else:
-                    pause, fast = fast, min(fast * 2, FAST_POLL_MAX)
+                pause, fast = next_pause(watch.live, fast, self.settings.wait_poll_seconds)
                 try:
                     await asyncio.wait_for(woken.wait(), min(pause, remaining))
                 except TimeoutError:

@@ -337,10 +337,7 @@ class DexClient:
                     raise TimeoutError(
                         f"call {key!r} is still {record.status.value} after {timeout}s"
                     )
-                if watch.live:
-                    pause, fast = self.settings.wait_poll_seconds, FAST_POLL_FIRST
-                else:
-                    pause, fast = fast, min(fast * 2, FAST_POLL_MAX)
+                pause, fast = next_pause(watch.live, fast, self.settings.wait_poll_seconds)
                 watch.wait(min(pause, remaining))
                 record = self.get_tool_call(key)
                 if record.terminal:
@@ -400,6 +397,15 @@ class DexClient:
         return [CallEvent.from_row(r) for r in self.store.events(session_id, after)]
 
 
+
+
+def next_pause(live: bool, fast: float, poll_seconds: float) -> tuple[float, float]:
+    """How long a waiter sleeps before it reads the store again (unless woken), and the fast
+    pause after that: ``poll_seconds`` while notifications can arrive, else 5 ms doubling up
+    to 200 ms."""
+    if live:
+        return poll_seconds, FAST_POLL_FIRST
+    return fast, min(fast * 2, FAST_POLL_MAX)
 
 
 def _inserted(call: NewCall) -> ToolCallRow:
