@@ -87,7 +87,7 @@ class DexClient:
     def watcher(self) -> notify.CallWatcher:
         """The Redis subscription ``wait`` is woken through (started on first use)."""
         if self._watcher is None:
-            self._watcher = notify.CallWatcher(self.settings.redis_url)
+            self._watcher = notify.CallWatcher(notify.redis_connector(self.settings.redis_url))
         return self._watcher
 
     def close(self) -> None:

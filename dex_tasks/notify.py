@@ -10,8 +10,8 @@ Two sides, both on Redis pub/sub, one channel per call (``dex:ended:<key>``):
   (:func:`metrics.count_ended`). Wired by :func:`install` wherever a store that ends calls is
   built (``execution.Runtime``, ``DexClient``). Redis being down never fails or holds up the
   transition: the hook logs once, stays quiet for a second, and waiters fall back to polling.
-* **Waiting** (:class:`CallWatcher`): one pub/sub connection per client process, read by a
-  background thread, shared by every ``wait`` of the process (sync and async clients). A
+* **Waiting** (:class:`CallWatcher`): one pub/sub connection per client, read by a
+  background thread, shared by every ``wait`` of the client (sync and async). A
   waiter reads the store, subscribes to its call's channel and reads the store again on every
   wake-up: when its subscription is confirmed, when a message arrives, when the connection is
   lost, and every ``wait_poll_seconds`` regardless. A notification only says "read the store
@@ -22,24 +22,22 @@ Two sides, both on Redis pub/sub, one channel per call (``dex:ended:<key>``):
 Why pub/sub and not a per-call list with ``BLPOP``: ``BLPOP`` needs no confirmation step, but it
 holds one Redis connection per waiting call (an asyncio agent waiting on 40 calls at once holds
 40), leaves a key per ended call in Redis until it expires, and wakes only one of several
-waiters of the same call. Pub/sub costs one connection per process and nothing in Redis when
-nobody listens; the race it has (a call ending between the waiter's read and its subscription)
+waiters of the same call. Pub/sub costs two connections per client (one to listen, one to wake
+the listening thread) and nothing in Redis when nobody listens; the race it has (a call ending between the waiter's read and its subscription)
 is closed by reading the store again once the subscription is confirmed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import redis
-from redis.asyncio import Redis as AsyncRedis
-from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -60,10 +58,13 @@ REDIS_TIMEOUT_SECONDS = 1.0
 """Connect and reply timeout of the notifier's Redis client: a dead Redis delays a commit's
 hooks by at most this much, once per quiet period."""
 
-# The watcher's connection: a channel it always listens on (so the connection is in subscribed
-# mode from the start), how long it may hear nothing before it pings, and how long without any
-# reply (pong included) before it takes the connection for dead and opens another.
-_HEARTBEAT_CHANNEL = "dex:ended:-watcher-"
+Connect = Callable[[float], redis.Redis]
+"""Makes a Redis client whose socket and connect timeouts are the given seconds."""
+
+# The watcher's connection: its reply timeout, how long it may hear nothing before it pings,
+# and how long without any reply (pong included) before it takes the connection for dead and
+# opens another.
+_WATCHER_SOCKET_TIMEOUT = 5.0
 _IDLE_PING_SECONDS = 5.0
 _DEAD_AFTER_SECONDS = 15.0
 _RECONNECT_FIRST_PAUSE = 0.05
@@ -86,8 +87,9 @@ class EndedNotifier:
     outage does not wait on Redis for each of them.
     """
 
-    def __init__(self, redis_url: str) -> None:
-        self.redis_url = redis_url
+    def __init__(self, target: str, connect: Connect) -> None:
+        self.target = target
+        self._connect = connect
         self._client: redis.Redis | None = None
         self._quiet_until = 0.0
         self._failing = False
@@ -97,10 +99,9 @@ class EndedNotifier:
         """The notifier's own Redis client: short timeouts and no retries (created on first
         use; redis-py's pool opens new connections after a fork by itself)."""
         if self._client is None:
-            self._client = redis.Redis.from_url(
-                self.redis_url, socket_timeout=REDIS_TIMEOUT_SECONDS,
-                socket_connect_timeout=REDIS_TIMEOUT_SECONDS, retry=Retry(NoBackoff(), 0),
-            )
+            client = self._connect(REDIS_TIMEOUT_SECONDS)
+            client.set_retry(Retry(NoBackoff(), 0))
+            self._client = client
         return self._client
 
     def __call__(self, ended: Sequence[EndedCall]) -> None:
@@ -132,13 +133,14 @@ class EndedNotifier:
             self._client = None
 
 
-def install(store: Store, redis_url: str) -> EndedNotifier:
+def install(store: Store, redis_url: str, connect: Connect | None = None) -> EndedNotifier:
     """Make every call ``store`` ends announced on the Redis at ``redis_url`` (and counted);
-    returns the store's notifier (the one already installed for that URL, if any)."""
+    returns the store's notifier (the one already installed for that Redis, if any).
+    ``connect`` makes its Redis clients (default: :func:`redis_connector` of the URL)."""
     for hook in store.ended_hooks():
-        if isinstance(hook, EndedNotifier) and hook.redis_url == redis_url:
+        if isinstance(hook, EndedNotifier) and hook.target == redis_url:
             return hook
-    notifier = EndedNotifier(redis_url)
+    notifier = EndedNotifier(redis_url, connect or redis_connector(redis_url))
     store.on_calls_ended(notifier)
     return notifier
 
@@ -159,7 +161,7 @@ class Watch:
 
     @property
     def live(self) -> bool:
-        """Whether notifications can reach this watch now (the watcher is connected)."""
+        """Whether notifications can reach this watch now (see :attr:`CallWatcher.live`)."""
         return self.watcher.live
 
     def wake(self) -> None:
@@ -169,6 +171,7 @@ class Watch:
             try:
                 self._on_wake()
             except Exception:
+                # e.g. the waiting coroutine's event loop has closed: nobody to wake.
                 log.debug("a waiter's wake-up callback failed", exc_info=True)
 
     def wait(self, timeout: float) -> bool:
@@ -191,28 +194,29 @@ class Watch:
 class CallWatcher:
     """The waiting side: one Redis pub/sub connection, read by a background thread.
 
-    Every pub/sub command runs on that thread (redis-py's pub/sub objects must not be shared
-    between threads): the thread runs an asyncio loop with a reader task and a task that sends
-    the SUBSCRIBE / UNSUBSCRIBE commands waiters ask for, in the order they asked. The thread
-    starts on first use, reconnects with backoff when the connection is lost, and wakes every
-    waiter when it is (they poll the store quickly until it is back).
+    redis-py's pub/sub objects must not be shared between threads, so only the watcher's thread
+    touches its connection: waiters queue SUBSCRIBE / UNSUBSCRIBE requests, which the thread
+    sends in the order they were made, and a waiter that needs a subscription now wakes the
+    thread by publishing to the thread's own channel. The thread starts on first use,
+    reconnects with backoff when the connection is lost, and then wakes every waiter (they
+    poll the store quickly until it is back).
     """
 
-    def __init__(self, redis_url: str) -> None:
-        self.redis_url = redis_url
+    def __init__(self, connect: Connect) -> None:
+        self._connect = connect
         self._reset()
 
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._watches: dict[str, list[Watch]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._requests: list[tuple[str, str]] = []
         self._thread: threading.Thread | None = None
-        self._requests: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+        self._poker: redis.Redis | None = None
+        self._own_channel = f"dex:watcher:{uuid.uuid4().hex}"
         self._live = False
         self._failed = False  # a connection failed and no new one is up yet
         self._closed = False
-        self._main: asyncio.Task[None] | None = None
 
     @property
     def live(self) -> bool:
@@ -235,12 +239,16 @@ class CallWatcher:
             self._start()
             watches = self._watches.setdefault(channel, [])
             watches.append(watch)
-            if len(watches) == 1:
-                self._request("subscribe", channel)
+            first = len(watches) == 1
+            if first:
+                self._requests.append(("subscribe", channel))
+        if first:
+            self._poke()
         return watch
 
     def release(self, watch: Watch) -> None:
-        """Forget ``watch``; unsubscribe its channel if no other watch needs it."""
+        """Forget ``watch``; unsubscribe its channel if no other watch needs it. (Nothing waits
+        for that: the thread sends it with its next command, or within a second.)"""
         with self._lock:
             watches = self._watches.get(watch.channel)
             if watches is None or watch not in watches:
@@ -248,55 +256,36 @@ class CallWatcher:
             watches.remove(watch)
             if not watches:
                 del self._watches[watch.channel]
-                self._request("unsubscribe", watch.channel)
+                self._requests.append(("unsubscribe", watch.channel))
 
     def close(self) -> None:
-        """Stop the thread and close the connection (waits up to two seconds)."""
+        """Stop the thread and close its connections (waits up to two seconds)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            loop, thread, main = self._loop, self._thread, self._main
-        if loop is not None and main is not None and self._pid == os.getpid():
-            try:
-                loop.call_soon_threadsafe(main.cancel)
-            except RuntimeError:
-                pass  # the loop has already stopped
+            thread = self._thread
         if thread is not None and self._pid == os.getpid():
+            self._poke()
             thread.join(2.0)
-
-    # -- under self._lock -----------------------------------------------------------------------
+        if self._poker is not None:
+            self._poker.close()
 
     def _start(self) -> None:
-        if self._thread is not None:
-            return
-        loop = asyncio.new_event_loop()
-        # Created before the thread runs the loop, so close() can always cancel it.
-        main = self._main = loop.create_task(self._run())
+        # Under self._lock.
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dex-call-watcher",
+                                             daemon=True)
+            self._thread.start()
 
-        def run() -> None:
-            asyncio.set_event_loop(loop)
-            try:
-                loop.run_until_complete(main)
-            except asyncio.CancelledError:
-                pass
-            finally:
-                self._live = False
-                loop.close()
-
-        self._loop = loop
-        self._thread = threading.Thread(target=run, name="dex-call-watcher", daemon=True)
-        self._thread.start()
-
-    def _request(self, kind: str, channel: str) -> None:
-        if self._loop is None:
-            return
+    def _poke(self) -> None:
+        """Wake the watcher's thread out of its read, so it sends the queued commands now."""
         try:
-            self._loop.call_soon_threadsafe(self._requests.put_nowait, (kind, channel))
-        except RuntimeError:
-            pass  # the loop has stopped (closing): nothing to subscribe any more
-
-    # -- the watcher's thread -------------------------------------------------------------------
+            if self._poker is None:
+                self._poker = self._connect(REDIS_TIMEOUT_SECONDS)
+            self._poker.publish(self._own_channel, b"")
+        except Exception:
+            log.debug("could not wake the call watcher", exc_info=True)
 
     def _wake(self, channel: str | None) -> None:
         with self._lock:
@@ -307,70 +296,62 @@ class CallWatcher:
         for watch in watches:
             watch.wake()
 
-    async def _run(self) -> None:
+    # -- the watcher's thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
         pause = _RECONNECT_FIRST_PAUSE
         failing = False
         while not self._closed:
-            client = _async_client(self.redis_url)
-            pubsub = client.pubsub()
-            tasks: list[asyncio.Task[None]] = []
+            client = self._connect(_WATCHER_SOCKET_TIMEOUT)
+            client.set_retry(Retry(NoBackoff(), 0))  # the loop below reconnects, not redis-py
+            pubsub = client.pubsub()  # type: ignore[no-untyped-call]
             try:
-                await pubsub.subscribe(_HEARTBEAT_CHANNEL)
                 with self._lock:
                     channels = list(self._watches)
-                if channels:
-                    await pubsub.subscribe(*channels)
+                    self._requests.clear()  # the snapshot covers them
+                pubsub.subscribe(self._own_channel, *channels)
                 self._live = True
                 self._failed = False
                 if failing:
                     log.info("call watcher reconnected", extra={"action": "watcher_resumed"})
                 failing = False
                 pause = _RECONNECT_FIRST_PAUSE
-                tasks = [asyncio.create_task(self._read(pubsub)),
-                         asyncio.create_task(self._send(pubsub))]
-                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    task.result()
-            except asyncio.CancelledError:
-                raise
+                self._read(pubsub)
             except Exception as err:  # noqa: BLE001 - any failure: reconnect, waiters poll
                 self._failed = True
-                if not failing:
+                if not failing and not self._closed:
                     failing = True
                     log.warning("call watcher lost Redis; waits poll the store until it is "
                                 "back", extra={"action": "watcher_failed",
                                                "error": f"{type(err).__name__}: {err}"})
             finally:
                 self._live = False
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
                 # Messages may have been missed: every waiter reads the store again.
                 self._wake(None)
                 try:
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-                    await client.aclose()
+                    pubsub.close()
+                    client.close()
                 except Exception:  # noqa: BLE001 - closing a dead connection
                     pass
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, _RECONNECT_MAX_PAUSE)
+            if not self._closed:
+                time.sleep(pause)
+                pause = min(pause * 2, _RECONNECT_MAX_PAUSE)
 
-    async def _read(self, pubsub: Any) -> None:
-        loop = asyncio.get_running_loop()
-        heard = pinged = loop.time()
-        while True:
-            message = await pubsub.get_message(timeout=1.0)
-            now = loop.time()
+    def _read(self, pubsub: Any) -> None:
+        heard = pinged = time.monotonic()
+        while not self._closed:
+            self._send(pubsub)
+            message = pubsub.get_message(timeout=1.0)
+            now = time.monotonic()
             if message is None:
                 if now - heard > _DEAD_AFTER_SECONDS:
                     raise ConnectionError(f"no reply from Redis for {now - heard:.0f}s")
                 if now - heard > _IDLE_PING_SECONDS and now - pinged > _IDLE_PING_SECONDS:
                     pinged = now
-                    await pubsub.ping()
+                    pubsub.ping()
                 continue
             heard = now
-            kind = message.get("type")
-            if kind in ("message", "subscribe"):
+            if message.get("type") in ("message", "subscribe"):
                 channel = message.get("channel")
                 if isinstance(channel, bytes):
                     channel = channel.decode("utf-8", "surrogateescape")
@@ -378,23 +359,25 @@ class CallWatcher:
                 # before it, and they must read the store once more.
                 self._wake(str(channel))
 
-    async def _send(self, pubsub: Any) -> None:
-        while True:
-            kind, channel = await self._requests.get()
-            batch = [(kind, channel)]
-            while not self._requests.empty():
-                batch.append(self._requests.get_nowait())
-            # Consecutive requests of one kind go in one command; the order is kept, so a
-            # channel released and watched again ends subscribed.
-            run: list[str] = []
-            for i, (k, c) in enumerate(batch):
-                run.append(c)
-                if i + 1 == len(batch) or batch[i + 1][0] != k:
-                    await (pubsub.subscribe if k == "subscribe" else pubsub.unsubscribe)(*run)
-                    run = []
+    def _send(self, pubsub: Any) -> None:
+        """Send the queued requests in order; consecutive ones of a kind in one command, so a
+        channel released and watched again ends subscribed."""
+        with self._lock:
+            batch, self._requests = self._requests, []
+        run: list[str] = []
+        for i, (kind, channel) in enumerate(batch):
+            run.append(channel)
+            if i + 1 == len(batch) or batch[i + 1][0] != kind:
+                (pubsub.subscribe if kind == "subscribe" else pubsub.unsubscribe)(*run)
+                run = []
 
 
-def _async_client(url: str) -> AsyncRedis:
-    """The watcher's Redis client: no retries of its own (the watcher reconnects itself)."""
-    return AsyncRedis.from_url(url, socket_connect_timeout=2.0, socket_keepalive=True,
-                               retry=AsyncRetry(NoBackoff(), 0))
+def redis_connector(redis_url: str) -> Connect:
+    """How notify's clients reach Redis: ``connect(timeout)`` makes a client of ``redis_url``
+    with that socket and connect timeout."""
+
+    def connect(timeout: float) -> redis.Redis:
+        return redis.Redis.from_url(redis_url, socket_timeout=timeout,
+                                    socket_connect_timeout=timeout)
+
+    return connect
