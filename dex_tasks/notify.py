@@ -23,8 +23,9 @@ Why pub/sub and not a per-call list with ``BLPOP``: ``BLPOP`` needs no confirmat
 holds one Redis connection per waiting call (an asyncio agent waiting on 40 calls at once holds
 40), leaves a key per ended call in Redis until it expires, and wakes only one of several
 waiters of the same call. Pub/sub costs two connections per client (one to listen, one to wake
-the listening thread) and nothing in Redis when nobody listens; the race it has (a call ending between the waiter's read and its subscription)
-is closed by reading the store again once the subscription is confirmed.
+the listening thread) and nothing in Redis when nobody listens; the race it has (a call ending
+between the waiter's read and its subscription) is closed by reading the store again once the
+subscription is confirmed.
 """
 
 from __future__ import annotations
