@@ -289,6 +289,7 @@ def aggregate(results: list[IoRound], idle: dict[tuple[str, str], int]) -> list[
             "wall_s": round(median([r.wall for r in runs]), 3),
             "wall_rounds_s": [round(r.wall, 3) for r in runs],
             "send_s": round(median([r.send for r in runs]), 3),
+            "after_send_s": round(median([r.wall - r.send for r in runs]), 3),
             "vs_raw": round(median([r.wall / b.wall for r, b in
                                     zip(runs, raw_runs, strict=True)]), 3),
             "idle_rss_mb": round(idle.get((store, variant), 0) / MB, 1),
@@ -320,13 +321,16 @@ def print_table(console: Console, rows: list[dict[str, Any]], calls: int, second
     table = Table(title=f"{calls} calls of a tool that sleeps {seconds:g}s, threads pool "
                         f"-c {concurrency}, {rounds} rounds",
                   caption="wall: first send to last result in hand (median of rounds); send: "
-                          "the send loop alone; vs raw: median over rounds; RSS: worker main + "
-                          "children, idle before the rounds and peak while they ran")
-    for column in ("store", "variant", "wall s", "vs raw", "send s", "idle RSS MB",
-                   "peak RSS MB", "failed"):
+                          "the send loop alone; after send: wall - send, how long the last "
+                          "calls took to finish once all were sent; vs raw: median over "
+                          "rounds; RSS: worker main + children, idle before the rounds and "
+                          "peak while they ran")
+    for column in ("store", "variant", "wall s", "vs raw", "send s", "after send s",
+                   "idle RSS MB", "peak RSS MB", "failed"):
         table.add_column(column, justify="left" if column in ("store", "variant") else "right")
     for r in rows:
         table.add_row(r["store"], "dex-tasks" if r["variant"] == "dex" else "celery",
                       f"{r['wall_s']:.2f}", f"{r['vs_raw']:.2f}x", f"{r['send_s']:.2f}",
+                      f"{r['after_send_s']:.2f}",
                       f"{r['idle_rss_mb']:.0f}", f"{r['peak_rss_mb']:.0f}", str(r["failures"]))
     console.print(table)
