@@ -31,8 +31,10 @@ api:
 demo:
 	.venv/bin/dex-tasks demo
 
-## make bench: raw Celery vs dex-tasks throughput, sweep scale, worker memory, targets of
-## issue 6 (reported, not asserted). BENCH_ARGS="--quick" for small sizes; JSON in bench/results/
+## make bench: dex-tasks vs raw Celery side by side (throughput, one call at a time, call_tools,
+## I/O-bound calls on the threads pool), /metrics scrape cost, sweep scale, worker memory; the
+## targets of issues 6, 11 and 12 (reported, not asserted). BENCH_ARGS="--quick" for small
+## sizes; JSON in bench/results/
 BENCH_ARGS ?=
 bench:
 	$(PY) -m bench all $(BENCH_ARGS)

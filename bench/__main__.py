@@ -1,8 +1,9 @@
-"""``python -m bench``: the benchmarks of issue 6 (see ``bench/__init__.py``)."""
+"""``python -m bench``: the benchmarks of issues 6, 11 and 12 (see ``bench/__init__.py``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -62,6 +63,76 @@ def throughput(
     _run(run_throughput, calls=calls, rounds=rounds, stores=_stores(store, postgres_url),
          postgres_url=postgres_admin_url(postgres_url), warmup=warmup,
          latency_calls=latency_calls, loglevel=loglevel,
+         out_dir=_out(out), console=console)
+
+
+@app.command()
+def latency(
+    calls: int = typer.Option(100, "--calls", min=1, help="Calls per variant per round."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds (first variant rotating)."),
+    store: str = typer.Option("both", "--store", help=STORE_HELP),
+    postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
+    warmup: int = typer.Option(20, "--warmup", min=1, help="Calls per variant before round 1."),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """One call at a time, by the caller's clock: call_tool + wait vs apply_async().get()."""
+    from bench.latency import run_latency
+
+    _run(run_latency, calls=calls, rounds=rounds, stores=_stores(store, postgres_url),
+         postgres_url=postgres_admin_url(postgres_url), warmup=warmup, out_dir=_out(out),
+         console=console)
+
+
+@app.command()
+def batch(
+    turns: int = typer.Option(100, "--turns", min=1, help="Turns per variant per round."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds (first variant alternating)."),
+    store: str = typer.Option("both", "--store", help=STORE_HELP),
+    postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """A turn of 5 parallel calls: call_tools vs 5 call_tool, send and results in hand."""
+    from bench.batch import run_batch
+
+    _run(run_batch, turns=turns, rounds=rounds, stores=_stores(store, postgres_url),
+         postgres_url=postgres_admin_url(postgres_url), out_dir=_out(out), console=console)
+
+
+@app.command(name="io")
+def io_bound(
+    calls: int = typer.Option(2000, "--calls", min=1, help="Calls per variant per round."),
+    seconds: float = typer.Option(1.0, "--seconds", min=0, help="How long each call sleeps."),
+    concurrency: int = typer.Option(200, "-c", "--concurrency", min=1,
+                                    help="Threads of each worker."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds (first variant alternating)."),
+    store: str = typer.Option("sqlite", "--store", help=STORE_HELP),
+    postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """I/O-bound calls on the threads pool: dex-tasks vs Celery, wall time and worker RSS."""
+    from bench.io_bound import run_io
+
+    _run(run_io, calls=calls, seconds=seconds, concurrency=concurrency, rounds=rounds,
+         stores=_stores(store, postgres_url), postgres_url=postgres_admin_url(postgres_url),
+         out_dir=_out(out), console=console)
+
+
+@app.command()
+def scrape(
+    scales: str = typer.Option("100000,500000", "--scales",
+                               help="Ended calls in the store, comma-separated (0 is added)."),
+    open_calls: int = typer.Option(1000, "--open", min=0, help="Open calls throughout."),
+    repeats: int = typer.Option(20, "--repeats", min=1, help="Scrapes timed per scale."),
+    store: str = typer.Option("both", "--store", help=STORE_HELP),
+    postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """/metrics scrape time with 0, 100k and 500k ended calls in the store."""
+    from bench.scrape import run_scrape
+    from bench.sweep_scale import parse_scales
+
+    _run(run_scrape, scales=parse_scales(scales), open_calls=open_calls, repeats=repeats,
+         stores=_stores(store, postgres_url), postgres_url=postgres_admin_url(postgres_url),
          out_dir=_out(out), console=console)
 
 
@@ -126,34 +197,47 @@ def roundtrips(
 @app.command(name="all")
 def all_(
     quick: bool = typer.Option(False, "--quick",
-                               help="Small sizes: 500 calls x 2 rounds, up to 100k pending, "
-                                    "10k calls for memory."),
+                               help="Small sizes: 500 calls x 2 rounds, 400 I/O calls, up to "
+                                    "100k pending or ended, 10k calls for memory."),
     store: str = typer.Option("both", "--store", help=STORE_HELP),
     postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
     out: str | None = typer.Option(None, "--out", help=OUT_HELP),
 ) -> None:
     """Every benchmark in turn (what ``make bench`` runs), then every target in one table."""
+    from bench.batch import run_batch
+    from bench.io_bound import run_io
+    from bench.latency import run_latency
     from bench.memory import run_memory
+    from bench.scrape import run_scrape
     from bench.sweep_scale import DEFAULT_JOBS, parse_scales, run_sweeps
     from bench.targets import print_targets
     from bench.throughput import run_throughput
 
     stores = _stores(store, postgres_url)
     pg = postgres_admin_url(postgres_url)
+    common: dict[str, Any] = {"stores": stores, "postgres_url": pg, "out_dir": _out(out),
+                              "console": console}
+    console.print("[bold]python -m bench all" + (" --quick" if quick else "")
+                  + f" --store {store}[/bold]")
     try:
-        t = run_throughput(calls=500 if quick else 2000, rounds=2 if quick else 3,
-                           stores=stores, postgres_url=pg, out_dir=_out(out), console=console)
-        s = run_sweeps(scales=parse_scales("10000,100000,1000000",
-                                           100_000 if quick else None),
-                       overdue=1000, repeats=3, jobs=list(DEFAULT_JOBS), stores=stores,
-                       postgres_url=pg, out_dir=_out(out), console=console)
-        m = run_memory(calls=10_000 if quick else 100_000, warmup=2000, batch=500,
-                       store=stores[0], postgres_url=pg, out_dir=_out(out), console=console)
+        results = [
+            run_throughput(calls=500 if quick else 2000, rounds=2 if quick else 3, **common),
+            run_latency(calls=30 if quick else 100, rounds=2 if quick else 3, **common),
+            run_batch(turns=20 if quick else 100, rounds=2 if quick else 3, **common),
+            run_io(calls=400 if quick else 2000, seconds=1.0, concurrency=200,
+                   rounds=1 if quick else 3, **{**common, "stores": stores[:1]}),
+            run_scrape(scales=[100_000] if quick else [100_000, 500_000], open_calls=1000,
+                       repeats=20, **common),
+            run_sweeps(scales=parse_scales("10000,100000,1000000", 100_000 if quick else None),
+                       overdue=1000, repeats=3, jobs=list(DEFAULT_JOBS), **common),
+            run_memory(calls=10_000 if quick else 100_000, warmup=2000, batch=500,
+                       store=stores[0], postgres_url=pg, out_dir=_out(out), console=console),
+        ]
     except BenchError as err:
         console.print(f"[red]benchmark failed:[/red] {err}")
         raise typer.Exit(1) from err
-    print_targets(console, [*t["targets"], *s["targets"], *m["targets"]],
-                  title="All targets of issue 6 (reported, not asserted)")
+    print_targets(console, [t for r in results for t in r["targets"]],
+                  title="All targets (reported, not asserted)")
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import redis
 from sqlalchemy import create_engine, text
@@ -30,6 +30,9 @@ from sqlalchemy.engine import make_url
 
 from dex_tasks.procutil import children_of, free_port, wait_until
 from dex_tasks.procutil import redis_pings as _pings
+
+if TYPE_CHECKING:
+    from dex_tasks import DexClient
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -41,6 +44,8 @@ STORES = ("sqlite", "postgres")
 READ_TOOL = "bench_noop_read"
 SINGLE_ATTEMPT_TOOL = "bench_noop_write"
 TOOLS_MODULE = "bench.noop_tools"
+IO_TOOL = "bench_io_sleep"
+IO_TOOLS_MODULE = "bench.io_tools"
 
 T = TypeVar("T")
 
@@ -311,3 +316,59 @@ def save_results(kind: str, payload: dict[str, Any], out_dir: Path | None,
     console.print(f"results: {path}")
     payload["path"] = str(path)
     return payload
+
+
+# -- what every benchmark run shares -----------------------------------------------------------
+
+
+@contextmanager
+def bench_session(prefix: str, stores: Sequence[str],
+                  postgres_url: str | None) -> Iterator[tuple[RedisServer, dict[str, Any], Path]]:
+    """A private Redis, the description of the machine, and a scratch folder for one run;
+    all removed afterwards. Yields ``(redis_server, machine, workdir)``."""
+    redis_server = RedisServer().start()
+    workdir = Path(tempfile.mkdtemp(prefix=f"dex-bench-{prefix}-"))
+    try:
+        machine = machine_info(redis_server, postgres_url if "postgres" in stores else None)
+        yield redis_server, machine, workdir
+        machine["loadavg_after"] = list(os.getloadavg())
+    finally:
+        redis_server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def wait_for_catalog(client: DexClient, tool: str, check_alive: Callable[[], None]) -> None:
+    """Wait until a worker has published ``tool`` to the catalog (it creates the tables
+    first, so the client never races it to create them)."""
+
+    def published() -> bool:
+        check_alive()
+        try:
+            return client.store.get_catalog(tool) is not None
+        except Exception:  # noqa: BLE001 - the tables may not exist yet
+            return False
+
+    wait_for(published, 60, "the dex-tasks worker to publish its catalog")
+
+
+class RoundOf(Protocol):
+    """A variant's measurements in one round of one store."""
+
+    store: str
+    variant: str
+    round: int
+
+
+R = TypeVar("R", bound=RoundOf)
+
+
+def by_variant(results: Sequence[R], variants: Sequence[str],
+               baseline: str) -> Iterator[tuple[str, str, list[R], list[R]]]:
+    """Per store and variant (in that order): its rounds, and the baseline variant's rounds of
+    the same numbers (for ratios taken round by round)."""
+    by = {(r.store, r.variant, r.round): r for r in results}
+    for store in dict.fromkeys(r.store for r in results):
+        for variant in variants:
+            runs = [r for r in results if r.store == store and r.variant == variant]
+            if runs:
+                yield store, variant, runs, [by[(store, baseline, r.round)] for r in runs]

@@ -33,7 +33,7 @@ from bench.infra import (
     machine_info,
     rss_bytes,
     save_results,
-    wait_for,
+    wait_for_catalog,
 )
 from bench.targets import check, print_targets
 from bench.throughput import session_for
@@ -138,14 +138,7 @@ def run_memory(
 
 def _drive(client: DexClient, worker: WorkerProcess, calls: int, warmup: int, batch: int,
            console: Console) -> tuple[int, list[tuple[int, int]], dict[str, Any]]:
-    def published() -> bool:
-        worker.check_alive()
-        try:
-            return client.store.get_catalog(SINGLE_ATTEMPT_TOOL) is not None
-        except Exception:  # noqa: BLE001 - the tables may not exist yet
-            return False
-
-    wait_for(published, 60, "the dex-tasks worker to publish its catalog")
+    wait_for_catalog(client, SINGLE_ATTEMPT_TOOL, worker.check_alive)
     first_children = worker.wait_children(CONCURRENCY)
     session = f"mem-{uuid.uuid4().hex[:6]}"
     tools = (READ_TOOL, SINGLE_ATTEMPT_TOOL)

@@ -1,6 +1,7 @@
 """The plain-Celery baseline: a no-op task, JSON only, Redis broker and Redis result backend.
 
-Started by the throughput benchmark as ``celery -A bench.raw_tasks worker -c 2`` (prefork),
+Started by the throughput benchmark as ``celery -A bench.raw_tasks worker -c 2`` (prefork), and
+by the I/O benchmark with ``--pool threads -c 200`` (the ``sleep`` task),
 with ``BENCH_RAW_BROKER`` and ``BENCH_RAW_BACKEND`` naming the same private Redis server the
 dex-tasks worker uses. Everything else is Celery's default (prefetch multiplier 4, early ack),
 because the baseline is what a team gets from Celery without dex-tasks.
@@ -9,12 +10,14 @@ because the baseline is what a team gets from Celery without dex-tasks.
 from __future__ import annotations
 
 import os
+import time
 
 from celery import Celery
 
 QUEUE = "bench.raw"
 
 NOOP = "bench.noop"
+SLEEP = "bench.sleep"
 
 
 def create_app(broker: str, backend: str) -> Celery:
@@ -37,6 +40,11 @@ def create_app(broker: str, backend: str) -> Celery:
     def noop() -> None:
         """Does nothing: the benchmark measures what it costs to run a task at all."""
         return None
+
+    @celery.task(name=SLEEP, shared=False)
+    def sleep(seconds: float) -> None:
+        """Waits like an I/O-bound tool (an HTTP call) for ``seconds``."""
+        time.sleep(seconds)
 
     return celery
 

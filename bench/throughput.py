@@ -59,7 +59,7 @@ from bench.infra import (
     median,
     percentile,
     save_results,
-    wait_for,
+    wait_for_catalog,
 )
 from bench.targets import check, print_targets
 from dex_tasks import CallStatus, DexClient, DexSettings
@@ -257,16 +257,7 @@ class Bench:
         # The worker creates the tables and publishes the catalog; the client waits for that,
         # so two processes never race to create the same tables.
         self.client = DexClient(settings, create_tables=False)
-        client = self.client
-
-        def published() -> bool:
-            self.check_alive()
-            try:
-                return client.store.get_catalog(SINGLE_ATTEMPT_TOOL) is not None
-            except Exception:  # noqa: BLE001 - the tables may not exist yet
-                return False
-
-        wait_for(published, 60, "the dex-tasks worker to publish its catalog")
+        wait_for_catalog(self.client, SINGLE_ATTEMPT_TOOL, self.check_alive)
         for worker in self.workers:
             worker.wait_children(CONCURRENCY)
         return self
@@ -452,13 +443,14 @@ def throughput_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for store in dict.fromkeys(r["store"] for r in rows):
         by = {r["variant"]: r for r in rows if r["store"] == store}
         if "read" in by:
-            out.append(check("read_vs_raw", by["read"]["vs_raw"], store))
+            out.append(check(f"read_vs_raw_{store}", by["read"]["vs_raw"], store))
         if "single" in by:
             out.append(check("single_vs_read", by["single"]["vs_read"], store))
         if "read" in by and "raw" in by:
             dex, raw = by["read"]["send_p50_ms"], by["raw"]["send_p50_ms"]
             out.append(check("call_tool_vs_apply_async_p50", dex / raw, store,
-                             f"{dex:.2f} vs {raw:.2f} ms"))
+                             f"{dex:.2f} vs {raw:.2f} ms, sent back to back while the "
+                             f"workers run"))
     return out
 
 

@@ -5,6 +5,7 @@ The public names are re-exported here; see ``DESIGN.md`` for the contract they k
 
 from dex_tasks.approvals import APPROVAL_DEADLINE_PASSED, APPROVAL_REJECTED
 from dex_tasks.async_client import AsyncDexClient
+from dex_tasks.calls import ToolCallRequest
 from dex_tasks.catalog import ToolSpec
 from dex_tasks.client import DexClient, idempotency_key
 from dex_tasks.errors import (
@@ -76,6 +77,7 @@ __all__ = [
     "TokenClaims",
     "Tool",
     "ToolCallRecord",
+    "ToolCallRequest",
     "ToolContext",
     "ToolDefinitionError",
     "ToolPolicy",

@@ -1,9 +1,11 @@
 """AsyncDexClient: the DexClient API for asyncio agent loops.
 
 Each method runs the matching blocking :class:`DexClient` call in a worker thread
-(``asyncio.to_thread``), so the event loop keeps running while the store or the broker answers;
-:meth:`AsyncDexClient.wait` polls with ``asyncio.sleep`` in between. There is one store and one
-publishing path, shared with the sync client, so both behave the same way.
+(``asyncio.to_thread``), so the event loop keeps running while the store or the broker answers.
+:meth:`AsyncDexClient.wait` sleeps on an ``asyncio.Event`` that the sync client's Redis watcher
+sets when the call ends (see ``notify.py``), so many waits at once hold no thread and no
+connection each. There is one store and one publishing path, shared with the sync client, so
+both behave the same way.
 
 Cancelling an awaited call cancels the wait, not the work: a ``call_tool`` whose thread already
 started still records (and may start) the call. That is safe, because calling again with the
@@ -13,12 +15,13 @@ same ids returns the same record.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+from dex_tasks.calls import ToolCallRequest
 from dex_tasks.catalog import ToolSpec
-from dex_tasks.client import DexClient
+from dex_tasks.client import FAST_POLL_FIRST, DexClient, next_pause
 from dex_tasks.policy import EffectClass
 from dex_tasks.records import AgentSnapshot, CallEvent, SessionMessage, ToolCallRecord
 from dex_tasks.settings import DexSettings
@@ -90,6 +93,25 @@ class AsyncDexClient:
             )
         )
 
+    async def call_tools(
+        self,
+        calls: Sequence[ToolCallRequest | Mapping[str, Any]],
+        *,
+        session_id: str,
+        turn_id: str,
+        default_effect: EffectClass | str | None = None,
+        approval_deadline: float | timedelta | None = None,
+        expires_in: float | timedelta | None = None,
+    ) -> list[ToolCallRecord]:
+        """Record a turn's parallel calls in one transaction and start them with one Redis
+        round trip, all or nothing; see :meth:`DexClient.call_tools`."""
+        return await asyncio.to_thread(
+            lambda: self.sync.call_tools(
+                calls, session_id=session_id, turn_id=turn_id, default_effect=default_effect,
+                approval_deadline=approval_deadline, expires_in=expires_in,
+            )
+        )
+
     async def list_tools(
         self, default_effect: EffectClass | str | None = None
     ) -> list[ToolSpec]:
@@ -103,23 +125,37 @@ class AsyncDexClient:
     async def wait(self, key: str, timeout: float = 30.0) -> ToolCallRecord:
         """Wait until the call is terminal and return it; ``TimeoutError`` after ``timeout``.
 
-        Polls the store (in a thread), sleeping with ``asyncio.sleep`` in between: 5 ms at
-        first, doubling up to 200 ms, so short calls return quickly and long ones cost little.
+        Woken by the Redis notification sent when the call ends, like
+        :meth:`DexClient.wait`; the store is read (in a thread) on every wake-up and every
+        ``wait_poll_seconds`` regardless, and every 5-200 ms while Redis cannot be reached.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        pause = 0.005
-        while True:
-            record = await self.get_tool_call(key)
-            if record.terminal:
-                return record
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise TimeoutError(
-                    f"call {key!r} is still {record.status.value} after {timeout}s"
-                )
-            await asyncio.sleep(min(pause, remaining))
-            pause = min(pause * 2, 0.2)
+        record = await self.get_tool_call(key)
+        if record.terminal:
+            return record
+        woken = asyncio.Event()
+
+        def wake() -> None:  # from the watcher's thread
+            loop.call_soon_threadsafe(woken.set)
+
+        fast = FAST_POLL_FIRST
+        with self.sync.watcher.watch(key, on_wake=wake) as watch:
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"call {key!r} is still {record.status.value} after {timeout}s"
+                    )
+                pause, fast = next_pause(watch.live, fast, self.settings.wait_poll_seconds)
+                try:
+                    await asyncio.wait_for(woken.wait(), min(pause, remaining))
+                except TimeoutError:
+                    pass
+                woken.clear()
+                record = await self.get_tool_call(key)
+                if record.terminal:
+                    return record
 
     async def get_agent_snapshot(self, session_id: str) -> AgentSnapshot:
         """The session as one consistent read; see :meth:`DexClient.get_agent_snapshot`."""

@@ -15,7 +15,7 @@ own checkers) goes to the workers on a queue of its own; beat runs every other s
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -126,12 +126,14 @@ def task_name_for(effect: EffectClass) -> str:
     return RUN_RETRYING if effect.retrying else RUN_SINGLE_ATTEMPT
 
 
-def publish(app: Celery, call: ToolCallRow, *, countdown: float | None = None) -> None:
+def publish(app: Celery, call: ToolCallRow, *, countdown: float | None = None,
+            producer: Any = None) -> None:
     """Send the message that makes a worker run ``call``. Raises if the broker is unreachable.
 
     Retries the connection briefly and then gives up, so ``call_tool`` never hangs on a dead
     broker: the caller turns the error into a "did not run" record or leaves the call to the
-    republisher.
+    republisher. ``producer``: a kombu producer to send with (``publish_many`` passes one that
+    is batching).
     """
     settings: DexSettings = app.dex_settings  # type: ignore[attr-defined]
     effect = EffectClass(call.effect)
@@ -155,7 +157,22 @@ def publish(app: Celery, call: ToolCallRow, *, countdown: float | None = None) -
     if call.time_limit:
         options["time_limit"] = call.time_limit
         options["soft_time_limit"] = soft_limit(call.time_limit)
-    app.send_task(name, args=[call.key], **options)
+    app.send_task(name, args=[call.key], producer=producer, **options)
+
+
+def publish_many(app: Celery, calls: Sequence[ToolCallRow]) -> None:
+    """Send the messages of ``calls`` in one Redis round trip; raises if that failed.
+
+    kombu's publish batch (``Producer.batch``, kombu 5.7) buffers the messages' ``LPUSH``
+    commands and sends them as one pipeline when the batch ends. A batch that fails leaves it
+    unknown which messages Redis took, like a publish whose reply was lost: the caller ends
+    the calls "did not run" with a compare-and-set, which loses to a worker's claim.
+    """
+    with app.producer_or_acquire() as producer:
+        # Room for every command in one flush (kombu would flush a full batch early).
+        with producer.batch(max_size=max(16, 4 * len(calls))):
+            for call in calls:
+                publish(app, call, producer=producer)
 
 
 def soft_limit(time_limit: float) -> float:

@@ -3,62 +3,58 @@
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any, cast
 
 from celery import Celery
+from pydantic import ValidationError
+from sqlalchemy.engine import Connection
 
-from dex_tasks import approvals, catalog, transcript
+from dex_tasks import approvals, catalog, notify, transcript
+from dex_tasks.calls import (
+    NewCall,
+    ToolCallRequest,
+    check_tool_name,
+    checked_arguments,
+    idempotency_key,
+    new_call,
+    same_call,
+)
 from dex_tasks.catalog import ToolSpec
-from dex_tasks.celery_app import create_app, publish
-from dex_tasks.errors import CallNotFoundError, ConflictError, InvalidCallError, UnknownToolError
-from dex_tasks.limits import (
-    KEY_MAX,
-    SESSION_ID_MAX,
-    TOOL_CALL_ID_MAX,
-    TOOL_NAME_MAX,
-    TURN_ID_MAX,
-    check_id,
+from dex_tasks.celery_app import create_app, publish, publish_many
+from dex_tasks.errors import (
+    CallNotFoundError,
+    InvalidCallError,
+    StoreUnavailableError,
+    UnknownToolError,
 )
 from dex_tasks.models import ToolCallRow
-from dex_tasks.policy import EffectClass, ToolPolicy, resolve_policy, seconds
+from dex_tasks.policy import EffectClass, seconds
 from dex_tasks.records import AgentSnapshot, CallEvent, SessionMessage, ToolCallRecord
-from dex_tasks.registry import InvalidArguments, canonical_json
+from dex_tasks.redis_clients import connector
 from dex_tasks.settings import DexSettings
-from dex_tasks.sqljson import same_json
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
 from dex_tasks.store import Store
 
-# Columns a new call's row leaves at their defaults (see _new_row).
+# Columns a new call's row leaves at their defaults (see calls.new_call).
 _UNSET_COLUMNS: dict[str, Any] = {
     "result": None, "error": None, "finished_at": None, "worker": None,
     "lease_expires_at": None, "prev_status": None, "republishes": 0,
 }
 
+# How wait polls the store while notifications cannot reach it (the watcher is not connected):
+# the first pause, doubled up to the last.
+FAST_POLL_FIRST = 0.005
+FAST_POLL_MAX = 0.2
 
-__all__ = ["DexClient", "InvalidCallError", "idempotency_key"]
+# call_tools: how often a batch is tried again when a concurrent request inserted one of its
+# keys between the read and the insert (the second try sees that call and returns it).
+_INSERT_TRIES = 3
 
 
-def idempotency_key(session_id: str, turn_id: str, tool_call_id: str) -> str:
-    """``session/turn/call``: the call's identity, the same for every attempt.
-
-    Raises :class:`InvalidCallError` naming the field (and the limit) for an id that is empty,
-    too long, holds ``/``, a NUL byte or a lone surrogate, and for a key over the limit.
-    """
-    for field, value, limit in (("session_id", session_id, SESSION_ID_MAX),
-                                ("turn_id", turn_id, TURN_ID_MAX),
-                                ("tool_call_id", tool_call_id, TOOL_CALL_ID_MAX)):
-        check_id(field, value, limit, slash=False, error=InvalidCallError)
-    key = f"{session_id}/{turn_id}/{tool_call_id}"
-    if len(key) > KEY_MAX:
-        raise InvalidCallError(
-            f"the idempotency key session_id/turn_id/tool_call_id must be at most {KEY_MAX} "
-            f"characters, got {len(key)}: shorten the ids"
-        )
-    return key
+__all__ = ["DexClient", "InvalidCallError", "ToolCallRequest", "idempotency_key"]
 
 
 class DexClient:
@@ -78,6 +74,11 @@ class DexClient:
                 # A schema of another release (SchemaOutOfDateError): no connection left open.
                 self.store.close()
                 raise
+        # Calls this client ends (a rejection, invalid arguments, a failed publish) wake their
+        # waiters and are counted like the ones workers end.
+        self._notifier = notify.install(self.store, self.settings.redis_url,
+                                        connector(self.settings))
+        self._watcher: notify.CallWatcher | None = None
         self._app: Celery | None = None
         self._catalog_cache: dict[str, tuple[float, catalog.ToolInfo]] = {}
 
@@ -93,10 +94,20 @@ class DexClient:
             self._app = create_app(self.settings, publisher=True)
         return self._app
 
+    @property
+    def watcher(self) -> notify.CallWatcher:
+        """The Redis subscription ``wait`` is woken through (started on first use)."""
+        if self._watcher is None:
+            self._watcher = notify.CallWatcher(connector(self.settings))
+        return self._watcher
+
     def close(self) -> None:
-        """Release broker and database connections."""
+        """Release broker, Redis and database connections."""
+        if self._watcher is not None:
+            self._watcher.close()
         if self._app is not None:
             self._app.close()
+        self._notifier.close()
         self.store.close()
 
     def __enter__(self) -> DexClient:
@@ -129,17 +140,8 @@ class DexClient:
         "did not run".
         """
         key = idempotency_key(session_id, turn_id, tool_call_id)
-        check_id("tool", tool, TOOL_NAME_MAX, error=InvalidCallError)
-        if arguments is None:
-            arguments = {}
-        if not isinstance(arguments, Mapping):
-            raise InvalidCallError(
-                f"arguments must be a JSON object, got {type(arguments).__name__}"
-            )
-        try:
-            args_json = canonical_json(dict(arguments))
-        except ValueError as err:
-            raise InvalidCallError(str(err)) from None
+        check_tool_name(tool)
+        plain, args_json = checked_arguments(arguments)
         try:
             info = self._lookup(tool)
         except UnknownToolError:
@@ -147,44 +149,112 @@ class DexClient:
             existing = self.store.get_call(key)
             if existing is None:
                 raise
-            return self._same_call(existing, tool, args_json)
-        policy = resolve_policy(info.policy, info.hints, default_effect)
-        invalid: str | None = None
-        if info.local is not None or policy.needs_approval:
-            # Checked here when the tool's code is in this process, and against the schema the
-            # workers published when a person would otherwise be asked to approve arguments
-            # the tool refuses. (Other calls are checked by the worker: the published schema
-            # is stricter than the signature's coercions, "5" for an int for instance.)
-            try:
-                info.validate(dict(arguments))
-            except InvalidArguments as err:
-                invalid = str(err)
-        row, interrupt = self._new_row(
-            key, session_id, turn_id, tool_call_id, tool, args_json, policy,
+            return same_call(existing, tool, args_json)
+        call = new_call(
+            key, session_id, turn_id, tool_call_id, tool, plain, args_json, info,
+            default_effect=default_effect,
             approval_deadline=seconds(approval_deadline, "approval_deadline"),
             expires_in=seconds(expires_in, "expires_in"),
-            hold=policy.needs_approval and invalid is None,
+            default_max_attempts=self.settings.default_max_attempts,
         )
         # Insert first, read only on conflict: a new call costs one write transaction, and a
         # repeated key is told apart by the primary key, not by a read that could race.
-        if not self.store.insert_call(row, interrupt):
+        if not self.store.insert_call(call.row, call.interrupt):
             existing = self.store.get_call(key)
             assert existing is not None
-            return self._same_call(existing, tool, args_json)
+            return same_call(existing, tool, args_json)
 
-        if invalid is not None:
+        if call.invalid is not None:
             self.store.transition(key, CallStatus.FAILED, allowed={CallStatus.QUEUED},
-                                  values={"error": f"{TOOL_DID_NOT_RUN}: {invalid}"},
+                                  values={"error": f"{TOOL_DID_NOT_RUN}: {call.invalid}"},
                                   detail={"reason": "invalid_arguments"})
             return self.get_tool_call(key)
-        # Read-only view of the row just inserted: building a SQLModel table instance costs
-        # about half a millisecond, a quarter of the whole call.
-        call = cast(ToolCallRow, SimpleNamespace(**_UNSET_COLUMNS, **row))
-        if row["status"] == CallStatus.QUEUED.value and not self._publish_new(call):
+        view = _inserted(call)
+        if call.sends_message and not self._publish_new([view]):
             return self.get_tool_call(key)
         # The record as inserted: a worker may already have moved it on, which the next read
         # (get_tool_call, wait) shows.
-        return ToolCallRecord.from_row(call)
+        return ToolCallRecord.from_row(view)
+
+    def call_tools(
+        self,
+        calls: Sequence[ToolCallRequest | Mapping[str, Any]],
+        *,
+        session_id: str,
+        turn_id: str,
+        default_effect: EffectClass | str | None = None,
+        approval_deadline: float | timedelta | None = None,
+        expires_in: float | timedelta | None = None,
+    ) -> list[ToolCallRecord]:
+        """Record a turn's parallel tool calls in one transaction and start them with one Redis
+        round trip; returns their records in the order given.
+
+        ``calls`` are :class:`ToolCallRequest` items (or dicts with ``tool_call_id``, ``tool``
+        and ``arguments``); the other arguments are shared by all of them and mean what they
+        mean for :meth:`call_tool`. Each call follows :meth:`call_tool`'s rules: a repeat (same
+        ids, tool and arguments) returns its stored record without running anything, a call
+        that needs approval waits for it, invalid arguments end it "did not run".
+
+        All or nothing: every request is checked before anything is written. A malformed
+        request (:class:`InvalidCallError` naming ``calls[i]`` and the field), a tool_call_id
+        given twice, an unknown tool, or a repeat whose tool or arguments differ from the
+        stored call's (:class:`ConflictError`) raises, and then no call of the batch is
+        recorded or sent. If the broker cannot be reached, the calls that were to start end
+        "did not run" (those a worker received anyway run: the store's compare-and-set
+        decides, as for :meth:`call_tool`).
+        """
+        requests = _requests(calls)
+        deadline = seconds(approval_deadline, "approval_deadline")
+        expires = seconds(expires_in, "expires_in")
+        checked: list[tuple[str, ToolCallRequest, dict[str, Any], str]] = []
+        seen: dict[str, int] = {}
+        for i, request in enumerate(requests):
+            try:
+                key = idempotency_key(session_id, turn_id, request.tool_call_id)
+                check_tool_name(request.tool)
+                plain, args_json = checked_arguments(request.arguments)
+            except InvalidCallError as err:
+                raise InvalidCallError(f"calls[{i}]: {err}") from None
+            if key in seen:
+                raise InvalidCallError(
+                    f"calls[{i}]: tool_call_id {request.tool_call_id!r} is already used by "
+                    f"calls[{seen[key]}] of this batch")
+            seen[key] = i
+            checked.append((key, request, plain, args_json))
+
+        for _ in range(_INSERT_TRIES):
+            existing = self.store.get_calls([key for key, *_ in checked])
+            new: list[NewCall] = []
+            for key, request, plain, args_json in checked:
+                if key in existing:
+                    same_call(existing[key], request.tool, args_json)  # ConflictError
+                    continue
+                new.append(new_call(
+                    key, session_id, turn_id, request.tool_call_id, request.tool, plain,
+                    args_json, self._lookup(request.tool),  # UnknownToolError
+                    default_effect=default_effect, approval_deadline=deadline,
+                    expires_in=expires, default_max_attempts=self.settings.default_max_attempts,
+                ))
+            if self.store.insert_calls([c.row for c in new],
+                                       [c.interrupt for c in new if c.interrupt is not None],
+                                       then=self._end_invalid(new)):
+                break
+        else:
+            raise StoreUnavailableError(
+                f"the calls of turn {turn_id!r} kept colliding with concurrent requests for "
+                f"the same ids; nothing of this batch was recorded")
+
+        views = {c.key: _inserted(c) for c in new}
+        to_send = [views[c.key] for c in new if c.sends_message]
+        reread = {c.key for c in new if c.invalid is not None}
+        if to_send and not self._publish_new(to_send):
+            reread |= {call.key for call in to_send}
+        fresh = self.store.get_calls(sorted(reread)) if reread else {}
+        records: list[ToolCallRecord] = []
+        for key, *_ in checked:
+            row = fresh.get(key) or existing.get(key) or views[key]
+            records.append(ToolCallRecord.from_row(row))
+        return records
 
     def list_tools(self, default_effect: EffectClass | str | None = None) -> list[ToolSpec]:
         """Every tool the workers published (and any registered in this process), by name:
@@ -213,70 +283,43 @@ class DexClient:
             self._catalog_cache[tool] = (now, info)
         return info
 
-    def _new_row(
-        self, key: str, session_id: str, turn_id: str, tool_call_id: str, tool: str,
-        args_json: str, policy: ToolPolicy, *, approval_deadline: float | None,
-        expires_in: float | None, hold: bool,
-    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        now = time.time()
-        interrupt = None
-        interrupt_id = None
-        if hold:
-            interrupt_id = uuid.uuid4().hex
-            deadline = approval_deadline or policy.approval_deadline
-            interrupt = {
-                "interrupt_id": interrupt_id,
-                "key": key,
-                "session_id": session_id,
-                "deadline_at": now + deadline if deadline else None,
-                "created_at": now,
-            }
-        row = {
-            "key": key,
-            "session_id": session_id,
-            "turn_id": turn_id,
-            "tool_call_id": tool_call_id,
-            "tool": tool,
-            "arguments": args_json,
-            "effect": policy.effect.value,
-            "requires_approval": policy.needs_approval,
-            "max_attempts": policy.attempts(self.settings.default_max_attempts),
-            "time_limit": policy.time_limit,
-            "status": (CallStatus.AWAITING_APPROVAL if hold else CallStatus.QUEUED).value,
-            "attempts": 0,
-            "interrupt_id": interrupt_id,
-            # Set before the publish so the republisher leaves a call being published alone.
-            "published_at": None if hold else now,
-            "expires_at": now + expires_in if expires_in else None,
-            "created_at": now,
-            "updated_at": now,
-        }
-        return row, interrupt
-
-    def _publish_new(self, call: ToolCallRow) -> bool:
-        """Publish a new call; on failure end it "did not run" and return False."""
+    def _publish_new(self, calls: Sequence[ToolCallRow]) -> bool:
+        """Publish new calls (several in one Redis round trip); on failure end them "did not
+        run" (in one transaction) and return False."""
         try:
-            publish(self.app, call)
+            if len(calls) == 1:
+                publish(self.app, calls[0])
+            else:
+                publish_many(self.app, calls)
             return True
         except Exception as err:  # noqa: BLE001 - any publish failure means no worker got it
-            # If the message did get through after all, the worker's claim and this
+            # If a message did get through after all, the worker's claim and this
             # compare-and-set race: exactly one wins, and the record says which.
-            self.store.transition(
-                call.key, CallStatus.FAILED, allowed={CallStatus.QUEUED},
-                values={"error": f"{TOOL_DID_NOT_RUN}: the broker could not be reached "
-                                 f"({type(err).__name__}: {err})"},
-                detail={"reason": "broker_unreachable"},
-            )
+            error = (f"{TOOL_DID_NOT_RUN}: the broker could not be reached "
+                     f"({type(err).__name__}: {err})")
+            with self.store.write() as conn:
+                for call in calls:
+                    self.store.transition(
+                        call.key, CallStatus.FAILED, allowed={CallStatus.QUEUED},
+                        values={"error": error}, detail={"reason": "broker_unreachable"},
+                        conn=conn,
+                    )
             return False
 
-    @staticmethod
-    def _same_call(existing: Any, tool: str, args_json: str) -> ToolCallRecord:
-        if existing.tool != tool:
-            raise ConflictError(existing.key, "tool")
-        # By value: PostgreSQL's jsonb hands back its own spelling of the stored arguments.
-        if not same_json(existing.arguments, args_json):
-            raise ConflictError(existing.key, "arguments")
-        return ToolCallRecord.from_row(existing)
+    def _end_invalid(self, calls: Sequence[NewCall]) -> Callable[[Connection], None]:
+        """What ``insert_calls`` runs in its transaction: end the calls whose arguments were
+        refused "did not run", as ``call_tool`` does (there in a transaction of its own)."""
+
+        def end(conn: Connection) -> None:
+            for call in calls:
+                if call.invalid is not None:
+                    self.store.transition(
+                        call.key, CallStatus.FAILED, allowed={CallStatus.QUEUED},
+                        values={"error": f"{TOOL_DID_NOT_RUN}: {call.invalid}"},
+                        detail={"reason": "invalid_arguments"}, conn=conn,
+                    )
+
+        return end
 
     def get_tool_call(self, key: str) -> ToolCallRecord:
         """The call's record; :class:`CallNotFoundError` if no call has that key."""
@@ -286,20 +329,30 @@ class DexClient:
         return ToolCallRecord.from_row(row)
 
     def wait(self, key: str, timeout: float = 30.0) -> ToolCallRecord:
-        """Block until the call is terminal and return it; ``TimeoutError`` after ``timeout``."""
+        """Block until the call is terminal and return it; ``TimeoutError`` after ``timeout``.
+
+        Woken by the Redis notification sent when the call ends (see ``notify.py``), so the
+        record is in hand about as soon as it is stored. The store is read on every wake-up,
+        and every ``wait_poll_seconds`` regardless, in case a notification was lost; while
+        Redis cannot be reached it is read every 5 ms, doubling up to 200 ms.
+        """
         deadline = time.monotonic() + timeout
-        pause = 0.005
-        while True:
-            record = self.get_tool_call(key)
-            if record.terminal:
-                return record
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(
-                    f"call {key!r} is still {record.status.value} after {timeout}s"
-                )
-            time.sleep(min(pause, remaining))
-            pause = min(pause * 2, 0.2)
+        record = self.get_tool_call(key)
+        if record.terminal:
+            return record
+        fast = FAST_POLL_FIRST
+        with self.watcher.watch(key) as watch:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"call {key!r} is still {record.status.value} after {timeout}s"
+                    )
+                pause, fast = next_pause(watch.live, fast, self.settings.wait_poll_seconds)
+                watch.wait(min(pause, remaining))
+                record = self.get_tool_call(key)
+                if record.terminal:
+                    return record
 
     def get_agent_snapshot(self, session_id: str) -> AgentSnapshot:
         """The session as one consistent read: ``.tool_calls``, ``.messages`` (the transcript:
@@ -355,3 +408,39 @@ class DexClient:
         return [CallEvent.from_row(r) for r in self.store.events(session_id, after)]
 
 
+
+
+def next_pause(live: bool, fast: float, poll_seconds: float) -> tuple[float, float]:
+    """How long a waiter sleeps before it reads the store again (unless woken), and the fast
+    pause after that: ``poll_seconds`` while notifications can arrive, else 5 ms doubling up
+    to 200 ms."""
+    if live:
+        return poll_seconds, FAST_POLL_FIRST
+    return fast, min(fast * 2, FAST_POLL_MAX)
+
+
+def _inserted(call: NewCall) -> ToolCallRow:
+    # A read-only view of the row just inserted: building a SQLModel table instance costs about
+    # half a millisecond, a quarter of a whole call_tool.
+    return cast(ToolCallRow, SimpleNamespace(**_UNSET_COLUMNS, **call.row))
+
+
+def _requests(calls: Sequence[ToolCallRequest | Mapping[str, Any]]) -> list[ToolCallRequest]:
+    """``calls`` as :class:`ToolCallRequest` items; :class:`InvalidCallError` names the first
+    malformed one (``calls[i].field``)."""
+    if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
+        raise InvalidCallError(
+            f"calls must be a list of tool call requests, got {type(calls).__name__}")
+    out: list[ToolCallRequest] = []
+    for i, item in enumerate(calls):
+        if isinstance(item, ToolCallRequest):
+            out.append(item)
+            continue
+        try:
+            out.append(ToolCallRequest.model_validate(item))
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise InvalidCallError(
+                f"calls[{i}]{'.' + where if where else ''}: {first['msg']}") from None
+    return out

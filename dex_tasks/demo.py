@@ -342,7 +342,7 @@ class Agent:
                                 token=self.stack.env["DEX_METRICS_TOKEN"])
         wanted = f'status="{CallStatus.OUTCOME_UNKNOWN.value}"'
         line = next((ln for ln in body.splitlines()
-                     if ln.startswith("dex_tool_calls{") and wanted in ln), "")
+                     if ln.startswith("dex_tool_calls_ended_total{") and wanted in ln), "")
         # At least this run's charge (a store of yours may hold earlier runs' calls too).
         count = float(line.rsplit(" ", 1)[1]) if line else 0.0
         return Check(f"HTTP {status}, {count:g} outcome_unknown call(s)",

@@ -33,12 +33,12 @@ import redis
 from billiard.exceptions import SoftTimeLimitExceeded
 from celery import Celery, Task
 
-from dex_tasks import claims, retry
+from dex_tasks import claims, notify, retry
 from dex_tasks.celery_app import publish
 from dex_tasks.errors import OutcomeUnknownError, TransientToolError
 from dex_tasks.models import ToolCallRow
 from dex_tasks.policy import EffectClass
-from dex_tasks.redis_clients import redis_client
+from dex_tasks.redis_clients import connector, redis_client
 from dex_tasks.registry import InvalidArguments, ToolContext, get_local_tool, strings_problem
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
@@ -56,6 +56,11 @@ class Runtime:
     store: Store
     redis: redis.Redis
     app: Celery
+
+    def __post_init__(self) -> None:
+        # Every runtime ends calls (worker children, the main process, sweeps): announce each
+        # one on Redis after its commit, which wakes its waiters and counts it for /metrics.
+        notify.install(self.store, self.settings.redis_url, connector(self.settings))
 
 
 _runtime: Runtime | None = None

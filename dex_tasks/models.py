@@ -58,6 +58,10 @@ class ToolCallRow(SQLModel, table=True):
         # outcome_unknown calls in finish order. (It replaces an index on status alone, which
         # these three made redundant.)
         Index("ix_dex_calls_status_finished", "status", "finished_at"),
+        # /metrics counts the open calls by tool and effect class from this index alone, so a
+        # scrape reads only the open calls' entries, never the ended ones (which grow for
+        # ever). It also serves every lookup by status.
+        Index("ix_dex_calls_status_tool_effect", "status", "tool", "effect"),
     )
 
     key: str = Field(primary_key=True, max_length=KEY_MAX)

@@ -21,6 +21,7 @@ never leaves that to it.
 from __future__ import annotations
 
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -190,3 +191,13 @@ def safe_url(url: str) -> str:
             part = part.replace(f":{password}@", ":***@", 1)
         out.append(part)
     return ";".join(out)
+
+
+def connector(settings: DexSettings) -> Callable[[float], redis.Redis]:
+    """``connect(timeout)``: a :func:`redis_client` with that socket and connect timeout (what
+    the end-of-call notifications and their waiters connect with)."""
+
+    def connect(timeout: float) -> redis.Redis:
+        return redis_client(settings, socket_timeout=timeout, socket_connect_timeout=timeout)
+
+    return connect

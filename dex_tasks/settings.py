@@ -127,6 +127,11 @@ class DexSettings(BaseSettings):
         description="Calls (or messages) `prune` deletes per transaction; workers wait for "
         "at most one batch.",
     )
+    wait_poll_seconds: float = Field(
+        default=1.0, gt=0,
+        description="How often wait reads the store while Redis notifications work (a safety "
+        "net for a lost notification; without Redis it polls every 5-200 ms).",
+    )
 
 
     def signing_key(self) -> str:

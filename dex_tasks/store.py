@@ -12,6 +12,11 @@ new one, for up to ``retry_seconds``. The one ambiguous case is a connection los
 COMMIT: the first try may have committed. The retry then finds the row already in the target
 state with the values that very try wrote (its ``updated_at`` is the transition's own
 timestamp), takes that as won, and writes no second event or tool message.
+
+Every call a committed transaction ended is then handed to the store's ``on_calls_ended``
+hooks, after the commit and never before: that is how waiters are woken and ended calls
+counted (``notify.py``), with no Redis import here. A hook that fails is logged; the
+transition it follows has committed and stays done.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 from sqlalchemy.sql.elements import ClauseElement, ColumnElement
 
@@ -224,7 +229,8 @@ _MANY_CHUNK = 200
 # its call's tool message from the rest (the values just written), so it needs no read.
 _RETURNING = (CALLS.c.key, CALLS.c.session_id, CALLS.c.prev_status)
 _RETURNING_TERMINAL = (*_RETURNING, CALLS.c.turn_id, CALLS.c.tool_call_id, CALLS.c.tool,
-                       CALLS.c.arguments, CALLS.c.result, CALLS.c.error)
+                       CALLS.c.arguments, CALLS.c.result, CALLS.c.error, CALLS.c.effect,
+                       CALLS.c.created_at)
 
 
 def _returning(to: CallStatus) -> tuple[Any, ...]:
@@ -255,6 +261,35 @@ def _transition_statement(
                 **{k: bindparam(f"v_{k}") for k in fields})
         .returning(*_returning_one(to, postgres))
     )
+
+
+@dataclass(frozen=True)
+class EndedCall:
+    """A call a committed transaction ended: what the ``on_calls_ended`` hooks are given."""
+
+    key: str
+    session_id: str
+    tool: str
+    effect: str
+    status: CallStatus
+    created_at: float
+    finished_at: float
+
+
+EndedHook = Callable[[Sequence[EndedCall]], None]
+
+# Where a write transaction collects the calls it ends, until it has committed (conn.info).
+_ENDED = "dex_ended_calls"
+
+
+def note_ended(conn: Connection, key: str, to: CallStatus, row: Any, now: float) -> None:
+    """Remember that this transaction ends call ``key`` (``row``: what its UPDATE returned),
+    for the hooks that run once it has committed (see :meth:`Store.committing`)."""
+    ended = conn.info.get(_ENDED)
+    if ended is not None:
+        ended.append(EndedCall(key=key, session_id=row.session_id, tool=row.tool,
+                               effect=row.effect, status=to, created_at=row.created_at,
+                               finished_at=now))
 
 
 def _event_row(row: Any, to: CallStatus, detail: Mapping[str, Any] | None,
@@ -339,6 +374,29 @@ class Store:
             self.engine = server_engine(database_url, ping_after_idle=ping_after_idle)
             self.read_engine = self.engine
         self.is_postgres = self.engine.dialect.name == "postgresql"
+        self._ended_hooks: list[EndedHook] = []
+
+    def on_calls_ended(self, hook: EndedHook) -> None:
+        """Run ``hook`` with the calls each committed write transaction ended, after its commit.
+
+        Hooks run in the committing thread, in the order they were added, each guarded: one
+        that raises is logged and the others still run. ``hook`` is added once, however often
+        it is passed.
+        """
+        if hook not in self._ended_hooks:
+            self._ended_hooks.append(hook)
+
+    def ended_hooks(self) -> list[EndedHook]:
+        """The hooks added with :meth:`on_calls_ended`, in order."""
+        return list(self._ended_hooks)
+
+    def _calls_ended(self, ended: Sequence[EndedCall]) -> None:
+        for hook in self._ended_hooks:
+            try:
+                hook(ended)
+            except Exception:
+                log.exception("a hook on ended calls failed",
+                              extra={"action": "ended_hook_error", "calls": len(ended)})
 
     def create_all(self) -> None:
         """Make the schema ready for this release (what every process does at start).
@@ -382,9 +440,28 @@ class Store:
 
     @contextmanager
     def write(self) -> Iterator[Connection]:
-        """A write transaction; commits on success, rolls back on error."""
-        with self._fork_safe(), self._errors(), self.engine.begin() as conn:
+        """A write transaction; commits on success, rolls back on error.
+
+        The calls it ended go to the ``on_calls_ended`` hooks once it has committed (and
+        nowhere if it rolled back).
+        """
+        with self._fork_safe(), self._errors(), self.committing(self.engine) as conn:
             yield conn
+
+    @contextmanager
+    def committing(self, engine: Engine) -> Iterator[Connection]:
+        """``engine.begin()`` that, once the transaction has committed, hands the calls it
+        ended (:func:`note_ended`) to the ``on_calls_ended`` hooks. Every write transaction
+        that may end a call opens through here."""
+        ended: list[EndedCall] = []
+        with engine.begin() as conn:
+            conn.info[_ENDED] = ended
+            try:
+                yield conn
+            finally:
+                conn.info.pop(_ENDED, None)
+        if ended:
+            self._calls_ended(ended)
 
     @contextmanager
     def read(self) -> Iterator[Connection]:
@@ -406,7 +483,8 @@ class Store:
         attempt = 1
         while True:
             try:
-                with self._fork_safe(), (engine.connect() if read else engine.begin()) as conn:
+                with self._fork_safe(), (engine.connect() if read
+                                         else self.committing(engine)) as conn:
                     return op(conn, attempt)
             except IntegrityError:
                 raise
@@ -539,6 +617,8 @@ class Store:
         if not to.terminal:
             conn.execute(_INSERT_EVENT, events[0] if len(events) == 1 else events)
             return
+        for row in moved:
+            note_ended(conn, row.key, to, row, now)
         messages = [_tool_message(row, to, now) for row in moved]
         conn.execute(_INSERT_MESSAGE, messages[0] if len(messages) == 1 else messages)
         sessions: list[str] = sorted({e["session_id"] for e in events})
@@ -718,6 +798,62 @@ class Store:
                     row["created_at"], row["arguments"])
             return False
         return True
+
+    def insert_calls(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        interrupts: Sequence[Mapping[str, Any]] = (),
+        *,
+        then: Callable[[Connection], None] | None = None,
+    ) -> bool:
+        """Insert several new calls (and their interrupts) with their first events in ONE
+        transaction; False, with nothing written, if any of the keys exists already.
+
+        ``then(conn)`` runs in the same transaction after the inserts (the client ends calls
+        with invalid arguments there), so the whole batch commits or none of it does. Retried
+        across a lost connection like :meth:`insert_call`: when a retry finds the first key
+        taken by the very row this batch inserted, an earlier try committed the whole batch.
+        """
+        if not rows:
+            return True
+        tries = 0
+
+        def attempt(conn: Connection, n: int) -> None:
+            nonlocal tries
+            tries = n
+            conn.execute(_INSERT_CALL, [dict(r) for r in rows])
+            if interrupts:
+                conn.execute(_INSERT_INTERRUPT, [dict(i) for i in interrupts])
+            conn.execute(_INSERT_EVENT, [{
+                "session_id": r["session_id"],
+                "key": r["key"],
+                "event": "tool_call_requested",
+                "from_status": None,
+                "to_status": r["status"],
+                "detail": None,
+                "created_at": r["created_at"],
+            } for r in rows])
+            if then is not None:
+                then(conn)
+
+        try:
+            self._retrying(attempt)
+        except IntegrityError:
+            if tries > 1:
+                first = rows[0]
+                stored = self.get_call(first["key"])
+                return stored is not None and (stored.created_at, stored.arguments) == (
+                    first["created_at"], first["arguments"])
+            return False
+        return True
+
+    def get_calls(self, keys: Sequence[str]) -> dict[str, ToolCallRow]:
+        """The stored calls among ``keys`` (one read), by key; missing keys are left out."""
+        if not keys:
+            return {}
+        with self.read() as conn:
+            rows = conn.execute(select(CALLS).where(CALLS.c.key.in_(list(keys)))).mappings()
+            return {r["key"]: ToolCallRow.model_validate(dict(r)) for r in rows}
 
     def get_call(self, key: str) -> ToolCallRow | None:
         """The stored call, or None. Retried across a lost connection."""

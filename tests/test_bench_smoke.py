@@ -15,8 +15,12 @@ from typing import Any
 
 from rich.console import Console
 
+from bench.batch import run_batch
 from bench.infra import child_env
+from bench.io_bound import run_io, threads_pool_supported
+from bench.latency import run_latency
 from bench.memory import run_memory
+from bench.scrape import run_scrape
 from bench.sweep_scale import DEFAULT_JOBS, run_sweeps
 from bench.throughput import run_throughput
 from tests.conftest import POSTGRES_URL
@@ -47,7 +51,7 @@ def test_throughput_measures_raw_celery_and_both_dex_paths(tmp_path: Path) -> No
                        "terminal_p50_ms", "terminal_p99_ms"):
             assert row[figure] is not None and row[figure] == row[figure], (figure, row)
     assert {t["target"] for t in data["targets"]} == {
-        "read_vs_raw", "single_vs_read", "call_tool_vs_apply_async_p50"}
+        "read_vs_raw_sqlite", "single_vs_read", "call_tool_vs_apply_async_p50"}
 
 
 def test_sweep_scale_times_every_job_at_each_scale(tmp_path: Path) -> None:
@@ -90,3 +94,51 @@ def test_roundtrips_counts_store_and_redis_work_per_call(tmp_path: Path) -> None
     assert by[("read", "call_tool (catalog)")]["sql"]["INSERT"] >= 1
     assert by[("read", "worker task body")]["sql"]["UPDATE"] >= 2  # claim and finish
     assert by[("single", "worker task body")]["redis"]["set"] == 1  # the Redis claim
+
+
+def test_latency_times_each_variant_by_the_callers_clock(tmp_path: Path) -> None:
+    data = _written(run_latency(calls=4, rounds=2, stores=["sqlite"], postgres_url=None,
+                                warmup=2, out_dir=tmp_path, console=_quiet()), tmp_path)
+
+    assert [(r["store"], r["variant"], r["calls"]) for r in data["summary"]] == [
+        ("sqlite", "raw", 8), ("sqlite", "read", 8), ("sqlite", "single", 8)]
+    for row in data["summary"]:
+        assert 0 < row["send_p50_ms"] <= row["total_p50_ms"], row
+    assert [(t["target"], t["label"]) for t in data["targets"]] == [
+        ("one_at_a_time_vs_raw", "sqlite read"), ("one_at_a_time_vs_raw", "sqlite single")]
+
+
+def test_batch_compares_call_tools_with_five_call_tool(tmp_path: Path) -> None:
+    data = _written(run_batch(turns=3, rounds=2, stores=["sqlite"], postgres_url=None,
+                              warmup=1, out_dir=tmp_path, console=_quiet()), tmp_path)
+
+    assert [(r["variant"], r["turns"]) for r in data["summary"]] == [
+        ("call_tools", 6), ("call_tool x5", 6)]
+    for row in data["summary"]:
+        assert 0 < row["send_p50_ms"] <= row["total_p50_ms"], row
+
+
+def test_io_runs_celery_and_dex_tasks_on_the_threads_pool(tmp_path: Path) -> None:
+    data = _written(run_io(calls=20, seconds=0.1, concurrency=10, rounds=1, stores=["sqlite"],
+                           postgres_url=None, out_dir=tmp_path, console=_quiet()), tmp_path)
+
+    variants = ["raw", "dex"] if threads_pool_supported() else ["raw"]
+    assert [r["variant"] for r in data["summary"]] == variants
+    for row in data["summary"]:
+        assert row["failures"] == 0 and row["wall_s"] > 0 and row["peak_rss_mb"] > 0, row
+    if variants == ["raw"]:
+        assert data["config"]["skipped"] and data["targets"][0]["measured"] is None
+    else:
+        assert [t["target"] for t in data["targets"]] == ["io_wall_vs_raw", "io_rss"]
+
+
+def test_scrape_times_metrics_against_ended_calls(tmp_path: Path) -> None:
+    stores = ["sqlite", "postgres"] if POSTGRES_URL else ["sqlite"]
+    data = _written(run_scrape(scales=[500], open_calls=30, repeats=2, stores=stores,
+                               postgres_url=POSTGRES_URL or None, out_dir=tmp_path,
+                               console=_quiet()), tmp_path)
+
+    assert [(t["store"], t["ended"]) for t in data["timings"]] == [
+        (s, n) for s in stores for n in (0, 500)]
+    assert all(t["scrape_ms"] > 0 and t["old_scan_ms"] > 0 for t in data["timings"])
+    assert [t["target"] for t in data["targets"]] == ["scrape_growth"] * len(stores)

@@ -1,4 +1,5 @@
-"""Prometheus metrics computed from the store and Redis at scrape time (SQLite and PostgreSQL)."""
+"""Prometheus metrics: counters kept in Redis as calls end, gauges of the open calls only
+(SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,19 @@ import redis
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
+from sqlalchemy import text
 
 import workers.example_tools  # noqa: F401 - registers the example tools in this process
+from bench.sweep_scale import bulk_insert
 from dex_tasks import CallStatus, DexClient, DexSettings
 from dex_tasks.api import create_api
 from dex_tasks.execution import Runtime
-from dex_tasks.metrics import render_metrics
-from dex_tasks.store import Store
+from dex_tasks.metrics import open_calls_query, render_metrics
+from dex_tasks.notify import install
+from dex_tasks.store import CALLS, Store
 from dex_tasks.sweeps import run_job
 from dex_tasks.tokens import issue_token
+from tests.conftest import StartWorker
 from tests.helpers import free_port
 
 NOW = 1_800_000_000.0
@@ -63,17 +68,19 @@ def add_call(store: Store, key: str, tool: str, effect: str, *, created: float,
     assert store.transition(key, end, now=finished)
 
 
-def test_calls_approvals_and_latency_come_from_the_store(database_url: str) -> None:
+def test_ended_calls_are_counted_and_open_calls_gauged(database_url: str,
+                                                       redis_url: str) -> None:
     store = Store(database_url)
     store.create_all()
+    # The store a worker or client builds: every call it ends is counted in Redis.
+    install(store, redis_url)
+    counters = redis.Redis.from_url(redis_url)
     try:
-        # Given reads that took 20 ms, 300 ms and 4 s, one that finished an hour ago, a failed
-        # write, a running charge, and two refunds awaiting approval (one past its deadline)
-        for i, took in enumerate((0.02, 0.3, 4.0)):
-            add_call(store, f"s/t{i}/c", "lookup_order", "read", created=NOW - 10,
-                     end=CallStatus.SUCCEEDED, finished=NOW - 10 + took)
-        add_call(store, "s/old/c", "lookup_order", "read", created=NOW - 3600,
-                 end=CallStatus.SUCCEEDED, finished=NOW - 3599)
+        # Given reads that took 20 ms, 300 ms, 4 s and an hour, a failed write, a running
+        # charge, and two refunds awaiting approval (one past its deadline)
+        for i, took in enumerate((0.02, 0.3, 4.0, 3600.0)):
+            add_call(store, f"s/t{i}/c", "lookup_order", "read", created=NOW - 4000,
+                     end=CallStatus.SUCCEEDED, finished=NOW - 4000 + took)
         add_call(store, "s/w/c", "update_address", "idempotent_write", created=NOW - 5,
                  end=CallStatus.FAILED, finished=NOW - 4)
         add_call(store, "s/run/c", "charge_card", "non_idempotent_write", created=NOW - 1)
@@ -84,34 +91,85 @@ def test_calls_approvals_and_latency_come_from_the_store(database_url: str) -> N
                  deadline=NOW - 1)
 
         # When Prometheus scrapes
-        body, content_type = render_metrics(store, now=NOW, window=300)
+        body, content_type = render_metrics(store, counters, now=NOW)
     finally:
-        store.engine.dispose()  # close, not just forget, the pooled connections
+        counters.close()
+        store.close()
 
-    # Then the gauges count the store's rows by tool, effect class and status
+    # Then the ended calls are counted by tool, effect class and status
     assert content_type.startswith("text/plain")
     m = scrape(body)
-    assert sample(m, "dex_store_up") == 1
-    assert sample(m, "dex_tool_calls", tool="lookup_order", effect="read",
-                  status="succeeded") == 4
-    assert sample(m, "dex_tool_calls", tool="update_address", effect="idempotent_write",
-                  status="failed") == 1
-    assert sample(m, "dex_tool_calls", tool="charge_card", effect="non_idempotent_write",
-                  status="running") == 1
-    assert sample(m, "dex_pending_approvals", tool="refund_payment") == 2
-    assert sample(m, "dex_overdue_approvals") == 1
-    # And the latency histogram holds only the calls finished inside the window
+    assert sample(m, "dex_store_up") == 1 and sample(m, "dex_redis_up") == 1
     read_ok = {"tool": "lookup_order", "effect": "read", "status": "succeeded"}
-    bucket = "dex_tool_call_latency_seconds_bucket"
+    assert sample(m, "dex_tool_calls_ended_total", **read_ok) == 4
+    assert sample(m, "dex_tool_calls_ended_total", tool="update_address",
+                  effect="idempotent_write", status="failed") == 1
+    # And their latencies fill a cumulative histogram
+    bucket = "dex_tool_call_duration_seconds_bucket"
     assert sample(m, bucket, le="0.01", **read_ok) == 0
     assert sample(m, bucket, le="0.025", **read_ok) == 1
     assert sample(m, bucket, le="0.5", **read_ok) == 2
     assert sample(m, bucket, le="2.5", **read_ok) == 2
     assert sample(m, bucket, le="5.0", **read_ok) == 3
-    assert sample(m, bucket, le="+Inf", **read_ok) == 3
-    assert abs((sample(m, "dex_tool_call_latency_seconds_gsum", **read_ok) or 0) - 4.32) < 1e-6
-    assert sample(m, bucket, le="+Inf", tool="update_address", effect="idempotent_write",
-                  status="failed") == 1
+    assert sample(m, bucket, le="3600.0", **read_ok) == 4
+    assert sample(m, bucket, le="+Inf", **read_ok) == 4
+    assert sample(m, "dex_tool_call_duration_seconds_count", **read_ok) == 4
+    total = sample(m, "dex_tool_call_duration_seconds_sum", **read_ok) or 0
+    assert abs(total - 3604.32) < 1e-6
+    # And the open calls are gauged from the store, ended ones not at all
+    assert sample(m, "dex_tool_calls_open", tool="charge_card", effect="non_idempotent_write",
+                  status="running") == 1
+    assert sample(m, "dex_tool_calls_open", tool="refund_payment",
+                  effect="non_idempotent_write", status="awaiting_approval") == 2
+    assert not [k for k in m if k[0] == "dex_tool_calls_open"
+                and ("status", "succeeded") in k[1]]
+    assert sample(m, "dex_pending_approvals", tool="refund_payment") == 2
+    assert sample(m, "dex_overdue_approvals") == 1
+
+
+def test_scrape_reads_only_the_open_calls(database_url: str) -> None:
+    # Given 100k ended calls, loaded in bulk, and three open ones
+    store = Store(database_url)
+    store.create_all()
+    try:
+        ended = bulk_insert(store, CALLS, (
+            {"key": f"old{i // 10}/t/c{i}", "session_id": f"old{i // 10}", "turn_id": "t",
+             "tool_call_id": f"c{i}", "tool": f"tool{i % 7}", "arguments": "{}",
+             "effect": "read", "requires_approval": False, "max_attempts": 3,
+             "status": ("succeeded", "failed", "rejected", "outcome_unknown")[i % 4],
+             "attempts": 1, "created_at": NOW - 100, "updated_at": NOW - 50,
+             "finished_at": NOW - 50} for i in range(100_000)))
+        assert ended == 100_000
+        for i, status in enumerate(("queued", "running", "queued")):
+            add_call(store, f"s/open{i}/c", "lookup_order", "read", created=NOW)
+            if status == "running":
+                assert store.transition(f"s/open{i}/c", CallStatus.RUNNING, now=NOW)
+        with store.write() as conn:
+            if not store.is_sqlite:
+                conn.execute(text(f"ANALYZE {CALLS.name}"))
+            plan = _plan(conn, open_calls_query())
+        # When Prometheus scrapes
+        m = scrape(render_metrics(store, now=NOW)[0])
+    finally:
+        store.close()
+    # Then the open calls are counted from the (status, tool, effect) index, reading only
+    # the open statuses' entries: no scan of the table, whatever the number of ended calls
+    assert "ix_dex_calls_status_tool_effect" in plan, plan
+    if database_url.startswith("sqlite"):
+        assert "COVERING INDEX" in plan, plan
+    assert "SCAN dex_tool_calls" not in plan and "Seq Scan" not in plan, plan
+    assert sample(m, "dex_tool_calls_open", tool="lookup_order", effect="read",
+                  status="queued") == 2
+    assert sample(m, "dex_tool_calls_open", tool="lookup_order", effect="read",
+                  status="running") == 1
+    assert len([k for k in m if k[0] == "dex_tool_calls_open"]) == 2
+
+
+def _plan(conn: Any, query: Any) -> str:
+    sql = str(query.compile(dialect=conn.dialect, compile_kwargs={"literal_binds": True}))
+    if conn.dialect.name == "sqlite":
+        return "\n".join(str(row[-1]) for row in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {sql}"))
+    return "\n".join(str(row[0]) for row in conn.exec_driver_sql(f"EXPLAIN {sql}"))
 
 
 def test_sweep_results_are_counted_across_processes(client: DexClient, rt: Runtime) -> None:
@@ -176,4 +234,34 @@ def test_api_serves_metrics_only_with_the_metrics_token(settings: DexSettings,
     m = scrape(response.content)
     assert sample(m, "dex_store_up") == 1
     assert sample(m, "dex_redis_up") == 1
+    assert sample(m, "dex_pending_approvals", tool="refund_payment") == 1
+
+
+def test_api_counts_what_workers_end(settings: DexSettings, client: DexClient,
+                                     start_worker: StartWorker) -> None:
+    # Given a worker that ends a read and a broken report, and a refund awaiting approval
+    start_worker(concurrency=2)
+    ok = client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1",
+                          tool="lookup_order", arguments={"order_id": "1001"})
+    broken = client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c2",
+                              tool="broken_report", arguments={"report": "nope"})
+    assert client.wait(ok.key, 20).status is CallStatus.SUCCEEDED
+    assert client.wait(broken.key, 20).status is CallStatus.FAILED
+    client.call_tool(session_id="s1", turn_id="t2", tool_call_id="c1", tool="refund_payment",
+                     arguments={"charge_id": "ch_1", "amount_cents": 100})
+    # When the API (another process's store) is scraped
+    scraper = "metrics-token-for-prometheus"
+    guarded = settings.model_copy(update={"metrics_token": SecretStr(scraper)})
+    with TestClient(create_api(guarded)) as http:
+        response = http.get("/metrics", headers={"Authorization": f"Bearer {scraper}"})
+    # Then it counts what the worker ended, and gauges what is open
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    m = scrape(response.content)
+    assert sample(m, "dex_store_up") == 1
+    assert sample(m, "dex_redis_up") == 1
+    assert sample(m, "dex_tool_calls_ended_total", tool="lookup_order", effect="read",
+                  status="succeeded") == 1
+    assert sample(m, "dex_tool_calls_ended_total", tool="broken_report", effect="read",
+                  status="failed") == 1
     assert sample(m, "dex_pending_approvals", tool="refund_payment") == 1

@@ -1,0 +1,345 @@
+"""Waiters wake when their call ends: a Redis notification after the commit, whoever ends it,
+with the store polled only as the fallback for a lost notification.
+
+Waits here run with ``wait_poll_seconds=60``: a wait that returns within seconds was woken by
+a notification (or by the confirmation of its subscription), never by a poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+import workers.example_tools  # noqa: F401 - registers the example tools in this process
+from dex_tasks import AsyncDexClient, CallStatus, DexClient, DexSettings, registry
+from dex_tasks.execution import Runtime
+from dex_tasks.notify import CHANNEL_PREFIX, CallWatcher, ended_channel, install
+from dex_tasks.store import Store
+from dex_tasks.sweeps import run_job
+from tests.conftest import StartWorker, fast_settings, settings_env
+from tests.helpers import ROOT, dex_command, free_port, started_pid, wait_until
+
+NO_POLL = 60.0  # wait_poll_seconds in these tests: far beyond any bound asserted below
+WOKEN_WITHIN = 15.0  # a generous bound for a loaded 2-core machine, far below NO_POLL
+
+
+@pytest.fixture
+def settings(redis_url: str, sqlite_url: str) -> DexSettings:
+    return fast_settings(redis_url, sqlite_url, wait_poll_seconds=NO_POLL)
+
+
+class Announcements:
+    """Every ``dex:ended:*`` message published on a Redis database, collected by a thread."""
+
+    def __init__(self, url: str) -> None:
+        self.client = redis.Redis.from_url(url)
+        self.pubsub = self.client.pubsub()
+        self.pubsub.psubscribe(CHANNEL_PREFIX + "*")
+        wait_until(lambda: self.pubsub.get_message(timeout=0.1), 5, "the psubscribe reply")
+        self.seen: list[tuple[str, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            message = self.pubsub.get_message(timeout=0.1)
+            if message and message["type"] == "pmessage":
+                channel = message["channel"].decode()
+                self.seen.append((channel.removeprefix(CHANNEL_PREFIX),
+                                  message["data"].decode()))
+
+    def wait_for(self, key: str, status: CallStatus, timeout: float = 20.0) -> None:
+        wait_until(lambda: (key, status.value) in self.seen, timeout,
+                   f"the end of {key} ({status.value}) to be announced")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.pubsub.close()
+        self.client.close()
+
+
+@pytest.fixture
+def announced(redis_url: str) -> Iterator[Announcements]:
+    listener = Announcements(redis_url)
+    yield listener
+    listener.close()
+
+
+def _wait_in_thread(client: DexClient, key: str) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        started = time.monotonic()
+        try:
+            out["record"] = client.wait(key, timeout=NO_POLL / 2)
+        except BaseException as err:  # noqa: BLE001 - reported by the test
+            out["error"] = err
+        out["took"] = time.monotonic() - started
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def _count_reads(client: DexClient, monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Record when ``client`` reads a call's record (what ``wait`` does on each wake-up)."""
+    reads: list[float] = []
+    read = client.get_tool_call
+
+    def counted(key: str) -> Any:
+        reads.append(time.monotonic())
+        return read(key)
+
+    monkeypatch.setattr(client, "get_tool_call", counted)
+    return reads
+
+
+def test_wait_is_woken_when_the_worker_ends_the_call(
+    client: DexClient, start_worker: StartWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    start_worker(concurrency=2)
+    reads = _count_reads(client, monkeypatch)
+    # Given a read that takes three seconds, and a waiter subscribed before it ends
+    record = client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1",
+                              tool="lookup_order", arguments={"order_id": "1001", "sleep": 3.0})
+    started = time.monotonic()
+    final = client.wait(record.key, timeout=NO_POLL / 2)
+    took = time.monotonic() - started
+    # Then the waiter has the record soon after the call ended, long before any poll
+    assert final.status is CallStatus.SUCCEEDED and final.result["order_id"] == "1001"
+    assert 2.5 < took < WOKEN_WITHIN, f"wait took {took:.2f}s"
+    assert client.watcher.live
+    # And it read the store only when told to: first, once subscribed, once the call ended
+    # (polling every 5-200 ms would have read it fifteen times or more)
+    assert len(reads) <= 4, f"{len(reads)} reads of the store while waiting"
+
+
+def test_async_waits_are_woken_together(settings: DexSettings, start_worker: StartWorker,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    start_worker(concurrency=2)
+
+    async def agent() -> tuple[list[CallStatus], float, int]:
+        async with AsyncDexClient(settings) as client:
+            reads = _count_reads(client.sync, monkeypatch)
+            records = await client.call_tools(
+                [{"tool_call_id": f"c{i}", "tool": "lookup_order",
+                  "arguments": {"order_id": "1001", "sleep": 1.0}} for i in range(6)],
+                session_id="s1", turn_id="t1")
+            started = time.monotonic()
+            finals = await asyncio.gather(*(client.wait(r.key, timeout=NO_POLL / 2)
+                                            for r in records))
+            return [f.status for f in finals], time.monotonic() - started, len(reads)
+
+    statuses, took, reads = asyncio.run(agent())
+    assert statuses == [CallStatus.SUCCEEDED] * 6
+    # Six one-second calls on two children take about 3 s; a poll would take 60.
+    assert 2.5 < took < WOKEN_WITHIN, f"the waits took {took:.2f}s"
+    # Each wait read its call a few times (polling would have read each one 15+ times)
+    assert reads <= 6 * 4, f"{reads} reads of the store for 6 waits"
+
+
+def test_a_call_that_ends_before_the_subscription_is_still_seen(
+    client: DexClient, settings: DexSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a call that ends, with no notification at all (a store with no hooks), right
+    # after the waiter's first read and before its subscription is confirmed
+    record = client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1",
+                              tool="lookup_order", arguments={"order_id": "1001"})
+    silent = Store(settings.database_url)
+    first_read = client.get_tool_call
+
+    def read_then_end(key: str) -> Any:
+        found = first_read(key)
+        if not found.terminal:
+            assert silent.transition(key, CallStatus.RUNNING)
+            assert silent.transition(key, CallStatus.SUCCEEDED, values={"result": "1"})
+        return found
+
+    monkeypatch.setattr(client, "get_tool_call", read_then_end)
+    try:
+        started = time.monotonic()
+        final = client.wait(record.key, timeout=NO_POLL / 2)
+        took = time.monotonic() - started
+    finally:
+        silent.close()
+    # Then the confirmed subscription made it read the store again, with no poll
+    assert final.status is CallStatus.SUCCEEDED
+    assert took < WOKEN_WITHIN, f"wait took {took:.2f}s"
+
+
+def test_every_path_that_ends_a_call_announces_it(
+    client: DexClient, settings: DexSettings, start_worker: StartWorker, ledger_path: Path,
+    announced: Announcements, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    worker = start_worker(concurrency=2)
+
+    def call(call_id: str, tool: str, **kw: Any) -> str:
+        return client.call_tool(session_id="s1", turn_id="t1", tool_call_id=call_id,
+                                tool=tool, **kw).key
+
+    # The worker's child ends calls: a result, and a tool error
+    ok = call("ok", "lookup_order", arguments={"order_id": "1001"})
+    announced.wait_for(ok, CallStatus.SUCCEEDED)
+    broken = call("broken", "broken_report", arguments={"report": "nope"})
+    announced.wait_for(broken, CallStatus.FAILED)
+    # The worker's main process ends a call whose child was killed
+    charge = call("charge", "charge_card",
+                  arguments={"customer_id": "cu_1", "amount_cents": 5, "sleep": 30})
+    os.kill(started_pid(ledger_path, charge), signal.SIGKILL)
+    announced.wait_for(charge, CallStatus.OUTCOME_UNKNOWN)
+    # The worker ends a call whose arguments its schema refuses: "did not run" (this process
+    # forgets the tool's code, so the worker is the one to check them)
+    monkeypatch.delitem(registry._REGISTRY, "lookup_order")
+    bad = call("bad", "lookup_order", arguments={"order_id": 5})
+    announced.wait_for(bad, CallStatus.FAILED)
+    worker.kill_all()
+
+    # The client ends calls: a person's rejection, arguments a local tool refuses
+    refund = client.call_tool(session_id="s1", turn_id="t2", tool_call_id="refund",
+                              tool="refund_payment",
+                              arguments={"charge_id": "ch_1", "amount_cents": 5})
+    assert refund.interrupt_id is not None
+    assert client.resolve_interrupt("s1", refund.interrupt_id, False, "no")
+    announced.wait_for(refund.key, CallStatus.REJECTED)
+
+    # The sweeps, in another process (`dex-tasks sweep`): an approval past its deadline, a
+    # running call whose worker is gone, a queued call that expired while its message was lost
+    late = client.call_tool(session_id="s1", turn_id="t3", tool_call_id="late",
+                            tool="refund_payment",
+                            arguments={"charge_id": "ch_2", "amount_cents": 5},
+                            approval_deadline=0.01).key
+    lost = call("lost", "charge_card", arguments={"customer_id": "cu_2", "amount_cents": 5})
+    assert client.store.transition(lost, CallStatus.RUNNING, values={
+        "worker": "gone@host:1", "attempts": 1, "lease_expires_at": time.time() - 60})
+    stale = call("stale", "lookup_order", arguments={"order_id": "1001"}, expires_in=0.01)
+    client.store.mark_published(stale, time.time() - 3600)
+    done = subprocess.run([*dex_command(), "sweep"], cwd=ROOT, env=settings_env(settings),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    announced.wait_for(late, CallStatus.REJECTED)
+    announced.wait_for(lost, CallStatus.OUTCOME_UNKNOWN)
+    announced.wait_for(stale, CallStatus.FAILED)
+
+    # And nothing was announced that did not end
+    ended = {k for k, _ in announced.seen}
+    for key, _status in announced.seen:
+        assert client.get_tool_call(key).terminal
+    assert ended == {ok, broken, charge, bad, refund.key, late, lost, stale}
+
+
+def test_a_lost_notification_costs_one_poll_interval(redis_url: str, sqlite_url: str) -> None:
+    # Given a waiter that polls every half second as its safety net
+    with DexClient(fast_settings(redis_url, sqlite_url, wait_poll_seconds=0.5)) as client:
+        record = client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1",
+                                  tool="lookup_order", arguments={"order_id": "1001"})
+        thread, out = _wait_in_thread(client, record.key)
+        wait_until(lambda: client.watcher.live, 10, "the watcher to connect")
+        # When the call ends with no notification (a store with no hooks: the message lost)
+        silent = Store(sqlite_url)
+        try:
+            assert silent.transition(record.key, CallStatus.RUNNING)
+            assert silent.transition(record.key, CallStatus.SUCCEEDED, values={"result": "1"})
+        finally:
+            silent.close()
+        thread.join(NO_POLL)
+    # Then the waiter still has it, from its poll
+    assert "error" not in out, out
+    assert out["record"].status is CallStatus.SUCCEEDED
+    assert out["took"] < WOKEN_WITHIN
+
+
+def test_wait_polls_quickly_while_redis_is_unreachable(sqlite_url: str,
+                                                       redis_url: str) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    # Given a waiter whose Redis is down (and a writer whose Redis is up)
+    with DexClient(fast_settings(dead, sqlite_url, wait_poll_seconds=NO_POLL)) as waiter, \
+            DexClient(fast_settings(redis_url, sqlite_url)) as writer:
+        record = writer.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1",
+                                  tool="lookup_order", arguments={"order_id": "1001"})
+        thread, out = _wait_in_thread(waiter, record.key)
+        wait_until(lambda: waiter._watcher is not None and not waiter.watcher.live, 10,
+                   "the waiter's watcher to find Redis down")
+        # When the call ends
+        assert writer.store.transition(record.key, CallStatus.RUNNING)
+        assert writer.store.transition(record.key, CallStatus.SUCCEEDED, values={"result": "1"})
+        thread.join(NO_POLL)
+    # Then the waiter sees it from the store within its fast polling
+    assert "error" not in out, out
+    assert out["record"].status is CallStatus.SUCCEEDED
+    assert out["took"] < WOKEN_WITHIN
+
+
+def test_an_unreachable_redis_never_fails_or_stalls_a_transition(sqlite_url: str) -> None:
+    store = Store(sqlite_url)
+    store.create_all()
+    install(store, f"redis://127.0.0.1:{free_port()}/0")
+    try:
+        with DexClient(fast_settings(f"redis://127.0.0.1:{free_port()}/0", sqlite_url)) as c:
+            keys = [c.call_tool(session_id="s1", turn_id="t1", tool_call_id=f"c{i}",
+                                tool="charge_card",
+                                arguments={"customer_id": "cu", "amount_cents": 1}).key
+                    for i in range(20)]
+        # (the publish failed, so each call already ended "did not run"; start afresh)
+        rows = [{"key": f"s2/t/c{i}", "session_id": "s2", "turn_id": "t",
+                 "tool_call_id": f"c{i}", "tool": "lookup_order", "arguments": "{}",
+                 "effect": "read", "requires_approval": False, "max_attempts": 3,
+                 "status": "queued", "attempts": 0, "created_at": time.time(),
+                 "updated_at": time.time()} for i in range(20)]
+        assert store.insert_calls(rows)
+        started = time.monotonic()
+        for row in rows:
+            assert store.transition(row["key"], CallStatus.FAILED, values={"error": "x"})
+        took = time.monotonic() - started
+        assert all(store.get_call(k).status == CallStatus.FAILED.value for k in keys)
+    finally:
+        store.close()
+    # One failed attempt to reach Redis (about a second), then quiet: never one per call.
+    assert took < 10, f"20 transitions took {took:.2f}s with Redis down"
+
+
+def test_watcher_recovers_after_redis_restarts(tmp_path: Path) -> None:
+    from tests.helpers import RedisServer
+
+    server = RedisServer(free_port()).start()
+    url = f"{server.url}/0"
+    sqlite = f"sqlite:///{tmp_path / 'dex.db'}"
+    try:
+        with DexClient(fast_settings(url, sqlite, wait_poll_seconds=NO_POLL)) as client:
+            runtime = Runtime(settings=client.settings, store=client.store,
+                              redis=redis.Redis.from_url(url), app=client.app)
+            # Given a waiter connected to Redis, and a Redis restart
+            watcher: CallWatcher = client.watcher
+            with watcher.watch("warm/up/call"):
+                wait_until(lambda: watcher.live, 10, "the watcher to connect")
+            server.stop()
+            wait_until(lambda: not watcher.live, 20, "the watcher to see Redis gone")
+            server.start()
+            wait_until(lambda: watcher.live, 20, "the watcher to reconnect")
+            # When a call ends (an approval whose deadline passed, by the sweep)
+            record = client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1",
+                                      tool="refund_payment",
+                                      arguments={"charge_id": "ch", "amount_cents": 5},
+                                      approval_deadline=0.5)
+            thread, out = _wait_in_thread(client, record.key)
+            wait_until(lambda: ended_channel(record.key) in watcher._watches, 10, "the watch")
+            wait_until(lambda: run_job(runtime, "expire_approvals") == 1, 20, "the deadline")
+            thread.join(NO_POLL)
+            runtime.redis.close()
+    finally:
+        server.cleanup()
+    # Then the waiter was woken by the notification, not by a poll
+    assert "error" not in out, out
+    assert out["record"].status is CallStatus.REJECTED
+    assert out["took"] < WOKEN_WITHIN
