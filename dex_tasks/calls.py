@@ -25,7 +25,7 @@ from dex_tasks.limits import (
     TURN_ID_MAX,
     check_id,
 )
-from dex_tasks.policy import EffectClass, ToolPolicy, resolve_policy
+from dex_tasks.policy import EffectClass, ToolPolicy, parse_effect, resolve_policy
 from dex_tasks.records import ToolCallRecord
 from dex_tasks.registry import InvalidArguments, canonical_json
 from dex_tasks.sqljson import same_json
@@ -175,12 +175,36 @@ def _rows(
     return row, interrupt
 
 
-def same_call(existing: Any, tool: str, args_json: str) -> ToolCallRecord:
-    """The record of a repeated request; :class:`ConflictError` if the stored call under that
-    key has another tool or other arguments."""
+def request_options(
+    default_effect: EffectClass | str | None, approval_deadline: float | None,
+    expires_in: float | None,
+) -> dict[str, Any]:
+    """The options of a request besides its tool and arguments, as the store keeps them.
+
+    A repeated request must repeat them: the same key with another session default, approval
+    deadline or queue expiry is another request, not a retry of this one (see
+    :func:`same_call`). Durations are the seconds ``policy.seconds`` made of them.
+    """
+    return {
+        "default_effect": None if default_effect is None else parse_effect(default_effect).value,
+        "approval_deadline": approval_deadline,
+        "expires_in": expires_in,
+    }
+
+
+def same_call(existing: Any, tool: str, args_json: str, options: Mapping[str, Any] | None = None,
+              stored_options: Mapping[str, Any] | None = None) -> ToolCallRecord:
+    """The record of a repeated request; :class:`ConflictError` naming what differs if the
+    call stored under that key has another tool, other arguments, or other options
+    (``default_effect``, ``approval_deadline``, ``expires_in``). Options are compared only
+    when the stored call kept them (calls recorded by an older release did not)."""
     if existing.tool != tool:
         raise ConflictError(existing.key, "tool")
     # By value: PostgreSQL's jsonb hands back its own spelling of the stored arguments.
     if not same_json(existing.arguments, args_json):
         raise ConflictError(existing.key, "arguments")
+    if options is not None and stored_options is not None:
+        for name in ("default_effect", "approval_deadline", "expires_in"):
+            if options.get(name) != stored_options.get(name):
+                raise ConflictError(existing.key, name)
     return ToolCallRecord.from_row(existing)

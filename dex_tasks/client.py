@@ -20,6 +20,7 @@ from dex_tasks.calls import (
     checked_arguments,
     idempotency_key,
     new_call,
+    request_options,
     same_call,
 )
 from dex_tasks.catalog import ToolSpec
@@ -142,6 +143,9 @@ class DexClient:
         key = idempotency_key(session_id, turn_id, tool_call_id)
         check_tool_name(tool)
         plain, args_json = checked_arguments(arguments)
+        deadline = seconds(approval_deadline, "approval_deadline")
+        expires = seconds(expires_in, "expires_in")
+        options = request_options(default_effect, deadline, expires)
         try:
             info = self._lookup(tool)
         except UnknownToolError:
@@ -149,20 +153,18 @@ class DexClient:
             existing = self.store.get_call(key)
             if existing is None:
                 raise
-            return same_call(existing, tool, args_json)
+            return self._repeat(existing, tool, args_json, options)
         call = new_call(
             key, session_id, turn_id, tool_call_id, tool, plain, args_json, info,
-            default_effect=default_effect,
-            approval_deadline=seconds(approval_deadline, "approval_deadline"),
-            expires_in=seconds(expires_in, "expires_in"),
+            default_effect=default_effect, approval_deadline=deadline, expires_in=expires,
             default_max_attempts=self.settings.default_max_attempts,
         )
         # Insert first, read only on conflict: a new call costs one write transaction, and a
         # repeated key is told apart by the primary key, not by a read that could race.
-        if not self.store.insert_call(call.row, call.interrupt):
+        if not self.store.insert_call(call.row, call.interrupt, requested=options):
             existing = self.store.get_call(key)
             assert existing is not None
-            return same_call(existing, tool, args_json)
+            return self._repeat(existing, tool, args_json, options)
 
         if call.invalid is not None:
             self.store.transition(key, CallStatus.FAILED, allowed={CallStatus.QUEUED},
@@ -206,6 +208,7 @@ class DexClient:
         requests = _requests(calls)
         deadline = seconds(approval_deadline, "approval_deadline")
         expires = seconds(expires_in, "expires_in")
+        options = request_options(default_effect, deadline, expires)
         checked: list[tuple[str, ToolCallRequest, dict[str, Any], str]] = []
         seen: dict[str, int] = {}
         for i, request in enumerate(requests):
@@ -224,10 +227,12 @@ class DexClient:
 
         for _ in range(_INSERT_TRIES):
             existing = self.store.get_calls([key for key, *_ in checked])
+            stored_options = self.store.requested_options(list(existing))
             new: list[NewCall] = []
             for key, request, plain, args_json in checked:
                 if key in existing:
-                    same_call(existing[key], request.tool, args_json)  # ConflictError
+                    same_call(existing[key], request.tool, args_json,  # ConflictError
+                              options, stored_options.get(key))
                     continue
                 new.append(new_call(
                     key, session_id, turn_id, request.tool_call_id, request.tool, plain,
@@ -237,7 +242,7 @@ class DexClient:
                 ))
             if self.store.insert_calls([c.row for c in new],
                                        [c.interrupt for c in new if c.interrupt is not None],
-                                       then=self._end_invalid(new)):
+                                       requested=options, then=self._end_invalid(new)):
                 break
         else:
             raise StoreUnavailableError(
@@ -320,6 +325,13 @@ class DexClient:
                     )
 
         return end
+
+    def _repeat(self, existing: ToolCallRow, tool: str, args_json: str,
+                options: dict[str, Any]) -> ToolCallRecord:
+        """The stored record of a repeated request, or :class:`ConflictError` naming what the
+        request changed (the stored options are read only here, on the repeat path)."""
+        stored = self.store.requested_options([existing.key]).get(existing.key)
+        return same_call(existing, tool, args_json, options, stored)
 
     def get_tool_call(self, key: str) -> ToolCallRecord:
         """The call's record; :class:`CallNotFoundError` if no call has that key."""

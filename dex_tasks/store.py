@@ -292,6 +292,16 @@ def note_ended(conn: Connection, key: str, to: CallStatus, row: Any, now: float)
                                finished_at=now))
 
 
+def _requested_event(row: Mapping[str, Any],
+                     requested: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The first event of a new call; its detail keeps the request's options."""
+    return {"session_id": row["session_id"], "key": row["key"], "event": "tool_call_requested",
+            "from_status": None, "to_status": row["status"],
+            "detail": json.dumps({"request": dict(requested)}, sort_keys=True)
+            if requested is not None else None,
+            "created_at": row["created_at"]}
+
+
 def _event_row(row: Any, to: CallStatus, detail: Mapping[str, Any] | None,
                now: float) -> dict[str, Any]:
     """The event row of one move: ``row`` is what its UPDATE returned."""
@@ -764,12 +774,15 @@ class Store:
     # -- calls ----------------------------------------------------------------------------------
 
     def insert_call(
-        self, row: Mapping[str, Any], interrupt: Mapping[str, Any] | None = None
+        self, row: Mapping[str, Any], interrupt: Mapping[str, Any] | None = None, *,
+        requested: Mapping[str, Any] | None = None,
     ) -> bool:
         """Insert a new call (and its interrupt) with its first event; False if the key exists.
 
-        Retried across a lost connection; when a retry finds the key taken by the very row this
-        call inserted (an earlier try committed), that is an insert, not an existing call.
+        ``requested``: the request's options, kept as that event's detail (a repeat of the
+        request is compared with them, see :meth:`requested_options`). Retried across a lost
+        connection; when a retry finds the key taken by the very row this call inserted (an
+        earlier try committed), that is an insert, not an existing call.
         """
         tries = 0
 
@@ -779,15 +792,7 @@ class Store:
             conn.execute(_INSERT_CALL, dict(row))
             if interrupt is not None:
                 conn.execute(_INSERT_INTERRUPT, dict(interrupt))
-            conn.execute(_INSERT_EVENT, {
-                "session_id": row["session_id"],
-                "key": row["key"],
-                "event": "tool_call_requested",
-                "from_status": None,
-                "to_status": row["status"],
-                "detail": None,
-                "created_at": row["created_at"],
-            })
+            conn.execute(_INSERT_EVENT, _requested_event(row, requested))
 
         try:
             self._retrying(attempt)
@@ -804,6 +809,7 @@ class Store:
         rows: Sequence[Mapping[str, Any]],
         interrupts: Sequence[Mapping[str, Any]] = (),
         *,
+        requested: Mapping[str, Any] | None = None,
         then: Callable[[Connection], None] | None = None,
     ) -> bool:
         """Insert several new calls (and their interrupts) with their first events in ONE
@@ -824,15 +830,7 @@ class Store:
             conn.execute(_INSERT_CALL, [dict(r) for r in rows])
             if interrupts:
                 conn.execute(_INSERT_INTERRUPT, [dict(i) for i in interrupts])
-            conn.execute(_INSERT_EVENT, [{
-                "session_id": r["session_id"],
-                "key": r["key"],
-                "event": "tool_call_requested",
-                "from_status": None,
-                "to_status": r["status"],
-                "detail": None,
-                "created_at": r["created_at"],
-            } for r in rows])
+            conn.execute(_INSERT_EVENT, [_requested_event(r, requested) for r in rows])
             if then is not None:
                 then(conn)
 
@@ -846,6 +844,22 @@ class Store:
                     first["created_at"], first["arguments"])
             return False
         return True
+
+    def requested_options(self, keys: Sequence[str]) -> dict[str, dict[str, Any] | None]:
+        """The request options each call was recorded with (its first event's detail), by key;
+        None for a call recorded before options were kept."""
+        if not keys:
+            return {}
+        with self.read() as conn:
+            rows = conn.execute(
+                select(EVENTS.c.key, EVENTS.c.detail)
+                .where(EVENTS.c.key.in_(list(keys)), EVENTS.c.event == "tool_call_requested")
+            ).all()
+        found: dict[str, dict[str, Any] | None] = {}
+        for key, detail in rows:
+            loaded = json.loads(detail) if detail else None
+            found[key] = loaded.get("request") if isinstance(loaded, dict) else None
+        return found
 
     def get_calls(self, keys: Sequence[str]) -> dict[str, ToolCallRow]:
         """The stored calls among ``keys`` (one read), by key; missing keys are left out."""

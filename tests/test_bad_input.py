@@ -15,6 +15,7 @@ from sqlalchemy import insert, update
 
 from dex_tasks import (
     CallStatus,
+    ConflictError,
     DexClient,
     DexSettings,
     InvalidArgumentError,
@@ -157,3 +158,37 @@ def test_a_row_no_sweep_can_read_does_not_stop_recovery_of_the_others(
     assert client.wait(lost.key, 30).status is CallStatus.SUCCEEDED
     assert client.wait(orphan.key, 30).status is CallStatus.SUCCEEDED
     assert ledger.executions(ledger_path) == {lost.key: 1, orphan.key: 1}
+
+
+@pytest.mark.parametrize(
+    ("first", "again", "field"),
+    [
+        ({"default_effect": "read"}, {"default_effect": "non_idempotent_write"},
+         "default_effect"),
+        ({}, {"default_effect": "read"}, "default_effect"),
+        ({"approval_deadline": 60}, {"approval_deadline": 120}, "approval_deadline"),
+        ({"expires_in": 30}, {}, "expires_in"),
+    ],
+)
+def test_a_repeat_with_other_options_is_a_conflict_not_the_old_record(
+    client: DexClient, first: dict[str, Any], again: dict[str, Any], field: str
+) -> None:
+    # The same key with another session default, deadline or expiry is another request: it
+    # used to get the first request's record back, silently.
+    ids = {"session_id": "s1", "turn_id": "t1", "tool_call_id": "c1"}
+    original = client.call_tool(**ids, tool="lookup_order", arguments={"order_id": "1001"},
+                                **first)
+    # The very same request again is a retry: the same record
+    assert client.call_tool(**ids, tool="lookup_order", arguments={"order_id": "1001"},
+                            **first).key == original.key
+    with pytest.raises(ConflictError) as caught:
+        client.call_tool(**ids, tool="lookup_order", arguments={"order_id": "1001"}, **again)
+    assert caught.value.field == field
+    # and call_tools keeps the same rule, for the whole batch
+    with pytest.raises(ConflictError, match=field):
+        client.call_tools([{"tool_call_id": "c1", "tool": "lookup_order",
+                            "arguments": {"order_id": "1001"}},
+                           {"tool_call_id": "c2", "tool": "lookup_order",
+                            "arguments": {"order_id": "1002"}}],
+                          session_id="s1", turn_id="t1", **again)
+    assert [c.key for c in client.get_agent_snapshot("s1").tool_calls] == [original.key]
