@@ -41,6 +41,11 @@ def parse(argv: list[str] | None = None) -> tuple[Config, Path | None]:
     p.add_argument("--redis-restarts", type=int, default=1, help="Redis crashes (default 1)")
     p.add_argument("--redis-outage", type=float, default=2.0,
                    help="seconds Redis stays down per crash (default 2)")
+    p.add_argument("--store-faults", type=int, default=1,
+                   help="store faults: SQLite's write lock held, or PostgreSQL dropping every "
+                        "connection, for --store-outage seconds (default 1)")
+    p.add_argument("--store-outage", type=float, default=2.0,
+                   help="seconds each store fault lasts (default 2)")
     p.add_argument("--database-url", help="store URL; a postgresql+psycopg://... server URL gets "
                    "a fresh database per run (default: SQLite in the run's directory)")
     p.add_argument("--settle-timeout", type=float, default=120.0,
@@ -61,6 +66,7 @@ def parse(argv: list[str] | None = None) -> tuple[Config, Path | None]:
         duration=a.duration,
         child_kills=a.child_kills, worker_kills=a.worker_kills, beat_restarts=a.beat_restarts,
         redis_restarts=a.redis_restarts, redis_outage=a.redis_outage,
+        store_faults=a.store_faults, store_outage=a.store_outage,
         database_url=a.database_url, settle_timeout=a.settle_timeout, lease_seconds=a.lease,
         seed=a.seed, workdir=a.workdir, keep=a.keep,
         progress=None if a.quiet else (

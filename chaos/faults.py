@@ -1,5 +1,7 @@
 """The faults of a chaos run, on a schedule: SIGKILLed busy children, SIGKILLed whole workers
-(with a replacement started at once), beat restarts, and Redis crashes.
+(with a replacement started at once), beat restarts, Redis crashes, and store faults (SQLite:
+another process holds the write lock for a few seconds; PostgreSQL: the server drops every
+connection of the database, again and again, for a few seconds).
 
 A kill freezes its target first (SIGSTOP) and kills only once every call the target runs has
 reached its tool, i.e. has its ledger line; otherwise it lets the target go on (SIGCONT) and
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from chaos.checks import Kill, Tally
 from chaos.procs import Cluster, signal_quietly
@@ -32,7 +34,7 @@ from dex_tasks.store import CALLS, Store
 AOF_MARKER = "dex:chaos:aof-marker"
 # Where in the load phase each kind of fault may strike (fractions of its duration).
 WINDOWS = {"child": (0.08, 0.9), "worker": (0.15, 0.85), "beat": (0.2, 0.8),
-           "redis": (0.4, 0.6)}
+           "redis": (0.4, 0.6), "store": (0.25, 0.75)}
 
 Running = tuple[str, int, int]  # (idempotency key, attempt, owner pid)
 
@@ -82,7 +84,8 @@ class Faults:
     """Injects the faults and records every kill for the checks."""
 
     def __init__(self, cluster: Cluster, store: Store, ledger_path: Path, tally: Tally,
-                 rng: random.Random, *, redis_outage: float, freeze_pause: float) -> None:
+                 rng: random.Random, *, redis_outage: float, freeze_pause: float,
+                 store_outage: float = 2.0) -> None:
         self.cluster = cluster
         self.store = store
         self.ledger = LedgerTail(ledger_path)
@@ -92,6 +95,7 @@ class Faults:
         self.freeze_pause = freeze_pause
         self.kills: list[Kill] = []
         self.redis_downtime = 0.0
+        self.store_outage = store_outage
 
     def schedule(self, counts: dict[str, int], duration: float) -> list[tuple[float, str]]:
         """When each fault strikes (seconds into the load): spread over its window with some
@@ -112,6 +116,7 @@ class Faults:
             "worker": self.kill_worker,
             "beat": self.restart_beat,
             "redis": self.restart_redis,
+            "store": self.disturb_store,
         }
         for at, kind in events:
             pause = started + at - time.monotonic()
@@ -219,3 +224,29 @@ class Faults:
                                    "crash is gone after the restart")
         finally:
             client.close()
+
+    def disturb_store(self) -> None:
+        """Make the store unusable for ``store_outage`` seconds, as it happens in production.
+
+        SQLite: a connection of this process takes the write lock (``BEGIN IMMEDIATE``) and
+        holds it, so every writer (claims, finishes, lease renewals, the reaper) waits, and the
+        leases of live calls run out meanwhile. PostgreSQL: every other connection to the
+        database is terminated by the server, again every 50 ms, so transactions in flight
+        die, commits are lost or only their answers, and pooled connections go stale.
+        """
+        until = time.monotonic() + self.store_outage
+        if self.store.is_sqlite:
+            with self.store.engine.connect() as conn:
+                # The store's engine begins with BEGIN IMMEDIATE: the write lock is ours now.
+                with conn.begin():
+                    remaining = until - time.monotonic()
+                    if remaining > 0:
+                        time.sleep(remaining)
+            return
+        with self.store.engine.connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+            while time.monotonic() < until:
+                conn.execute(text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid()"))
+                time.sleep(0.05)

@@ -73,6 +73,8 @@ class Config:
     beat_restarts: int | None = None
     redis_restarts: int = 1
     redis_outage: float = 2.0
+    store_faults: int = 1
+    store_outage: float = 2.0
     database_url: str | None = None
     settle_timeout: float = 120.0
     lease_seconds: float = 4.0
@@ -94,6 +96,7 @@ class Config:
             "beat": self.beat_restarts if self.beat_restarts is not None
             else max(1, int(self.duration / 30)),
             "redis": self.redis_restarts,
+            "store": self.store_faults,
         }
 
 
@@ -206,7 +209,8 @@ class Harness:
         # SQLite commits happen in the client process itself.
         pause = 0.005 if self.settings.database_url.startswith("sqlite") else 0.05
         self.faults = Faults(self.cluster, self.store, self.ledger_path, self.tally, self.rng,
-                             redis_outage=self.config.redis_outage, freeze_pause=pause)
+                             redis_outage=self.config.redis_outage, freeze_pause=pause,
+                             store_outage=self.config.store_outage)
 
     def _tear_down(self) -> None:
         self.stop.set()

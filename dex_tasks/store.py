@@ -26,7 +26,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -468,8 +468,15 @@ class Store:
             conn.info[_ENDED] = ended
             try:
                 yield conn
-            finally:
-                conn.info.pop(_ENDED, None)
+            except BaseException:
+                # Best effort only: on a connection that was just lost, even reading
+                # ``conn.info`` raises (PendingRollbackError), and that must not replace the
+                # error a retry is decided on. A stale list left behind is replaced by the next
+                # write transaction on that connection, and read ones never add to it.
+                with suppress(Exception):
+                    conn.info.pop(_ENDED, None)
+                raise
+            conn.info.pop(_ENDED, None)
         if ended:
             self._calls_ended(ended)
 

@@ -40,7 +40,7 @@ def test_short_chaos_run_keeps_every_guarantee(tmp_path: Path) -> None:
     # The faults really happened (a child kill is skipped only if no child was in a tool).
     assert figures["kills.child"] >= 4, output
     assert figures["kills.worker"] == 1 and figures["faults.redis"] == 1
-    assert figures["faults.beat"] == 1
+    assert figures["faults.beat"] == 1 and figures["faults.store"] == 1
     assert figures.get("duplicates.single_attempt", 0) == 0
     # Every call ended, and each has exactly one tool message in its session's transcript
     # (a missing, doubled or mislabelled one would be a violation above)
