@@ -300,13 +300,14 @@ class Harness:
         with self.store.read() as conn:
             rows = conn.execute(
                 select(EVENTS.c.key, EVENTS.c.detail)
+                # Filtered here, not with LIKE: on PostgreSQL the detail is jsonb.
                 .where(EVENTS.c.from_status == CallStatus.RUNNING.value,
-                       EVENTS.c.detail.like('%"attempt_lost"%'))
+                       EVENTS.c.detail.is_not(None))
             ).all()
         lost = []
         for key, detail in rows:
             data = json.loads(detail)
-            if data.get("reason") == "attempt_lost":
+            if isinstance(data, dict) and data.get("reason") == "attempt_lost":
                 lost.append((str(key), int(data["attempt"])))
         return lost
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from celery import Celery
 from sqlalchemy import Select, Update, or_, select, update
-from sqlalchemy.engine import CursorResult
+from sqlalchemy.engine import Connection, CursorResult
 
 from dex_tasks.celery_app import publish
 from dex_tasks.errors import InvalidArgumentError
@@ -44,7 +44,13 @@ from dex_tasks.limits import (
 )
 from dex_tasks.models import InterruptRow, ToolCallRow
 from dex_tasks.policy import EffectClass
-from dex_tasks.records import AgentSnapshot, Decision, PendingInterrupt, ToolCallRecord
+from dex_tasks.records import (
+    AgentSnapshot,
+    Decision,
+    PendingInterrupt,
+    SessionMessage,
+    ToolCallRecord,
+)
 from dex_tasks.states import CallStatus
 from dex_tasks.store import CALLS, INTERRUPTS, Move, Store
 from dex_tasks.transcript import session_messages
@@ -296,7 +302,9 @@ def session_snapshot(store: Store, session_id: str, now: float | None = None) ->
     approved, and the next deadline sweep moves it to ``decided`` as expired.
     """
     now = time.time() if now is None else now
-    with store.read() as conn:
+
+    def read(conn: Connection) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
+                                        list[SessionMessage]]:
         calls = _rows(conn.execute(
             select(CALLS).where(CALLS.c.session_id == session_id)
             .order_by(CALLS.c.created_at, CALLS.c.key)
@@ -305,7 +313,10 @@ def session_snapshot(store: Store, session_id: str, now: float | None = None) ->
             select(INTERRUPTS).where(INTERRUPTS.c.session_id == session_id)
             .order_by(INTERRUPTS.c.created_at, INTERRUPTS.c.interrupt_id)
         ))
-        messages = session_messages(conn, session_id)
+        return calls, interrupts, session_messages(conn, session_id)
+
+    # Retried across a lost connection: agents read their session between every turn.
+    calls, interrupts, messages = store.reading(read)
     by_key = {c["key"]: c for c in calls}
     pending = [_pending(i, by_key[i["key"]]) for i in interrupts
                if i["key"] in by_key and _open(i, now)]
@@ -338,8 +349,7 @@ def list_pending(
     )
     if session_id is not None:
         query = query.where(INTERRUPTS.c.session_id == session_id)
-    with store.read() as conn:
-        rows = _rows(conn.execute(query))
+    rows = store.reading(lambda conn: _rows(conn.execute(query)))
     return [_pending(r, r) for r in rows]
 
 

@@ -8,15 +8,17 @@ import logging
 import math
 import os
 import sys
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Literal, TypeVar
 
 import typer
 from rich.console import Console
 
 from dex_tasks import catalog
 from dex_tasks.celery_app import create_app
-from dex_tasks.errors import ConfigurationError, DexError
+from dex_tasks.errors import ConfigurationError, DexError, StoreUnavailableError
 from dex_tasks.logs import FORMATS, setup_process_logging
 from dex_tasks.registry import local_tools
 from dex_tasks.settings import DexSettings, settings_help
@@ -42,6 +44,33 @@ def check_log_format(value: str) -> str:
     if value not in FORMATS:
         raise typer.BadParameter(f"must be one of {', '.join(FORMATS)}, got {value!r}")
     return value
+
+
+T = TypeVar("T")
+
+STARTUP_STORE_WAIT_SECONDS = 60.0
+
+
+def until_store_answers(step: Callable[[], T], wait: float = STARTUP_STORE_WAIT_SECONDS) -> T:
+    """Run a start-up ``step`` that needs the store, again while the store cannot be reached
+    (a database restarting as the worker or beat starts, a connection dropped), for up to
+    ``wait`` seconds; then the store's error, which the CLI prints in one line.
+
+    An out-of-date schema or a bad setting is not waited for: it is raised at once.
+    """
+    deadline = time.monotonic() + wait
+    pause = 0.5
+    while True:
+        try:
+            return step()
+        except StoreUnavailableError as err:
+            if time.monotonic() + pause > deadline:
+                raise
+            logging.getLogger("dex_tasks").warning(
+                "the store is not answering yet; trying again",
+                extra={"action": "startup_store_wait", "error": str(err)[:300]})
+            time.sleep(pause)
+            pause = min(pause * 2, 5.0)
 
 
 def _secret_or_none(settings: DexSettings) -> str | None:
@@ -130,10 +159,14 @@ def worker(
     except ServeSelectionError as err:
         raise typer.BadParameter(str(err), param_hint="--serve") from None
     store = Store(settings.database_url)
-    store.create_all()
     # Every imported tool's definition (policy, schema) is published, served here or not:
     # which tools have a live worker is a separate, expiring record (routing.Presence).
-    count = catalog.publish(store, registered.values())
+
+    def prepare_store() -> int:
+        store.create_all()
+        return catalog.publish(store, registered.values())
+
+    count = until_store_answers(prepare_store)
     store.close()
     logging.getLogger("dex_tasks").info("catalog published", extra={"action": "catalog_published",
                                                                      "tools": count})
@@ -172,7 +205,7 @@ def beat(
     setup_process_logging(log_format, loglevel, _secret_or_none(settings),
                           celery=True)
     store = Store(settings.database_url)
-    store.create_all()
+    until_store_answers(store.create_all)
     store.close()
     celery = create_app(settings)
     celery.conf.beat_schedule = beat_schedule.build(settings)

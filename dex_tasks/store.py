@@ -852,29 +852,39 @@ class Store:
             return False
         return True
 
+    def reading(self, read: Callable[[Connection], T]) -> T:
+        """``read(conn)`` in a read-only transaction, run again on a new connection when the
+        connection is lost (a read is always safe to repeat), for up to ``retry_seconds``.
+        ``read`` must return plain values, not result objects tied to the connection."""
+        return self._retrying(lambda conn, _: read(conn), read=True)
+
+    def _fetch(self, stmt: Any) -> list[dict[str, Any]]:
+        """Every row of a read-only statement, as dicts; retried across a lost connection like
+        the store's writes (a read is always safe to run again). For the reads an agent
+        process makes between its calls, which must not fail on a connection the server has
+        just closed while a new one would answer."""
+        return self.reading(lambda conn: [dict(r) for r in conn.execute(stmt).mappings()])
+
     def requested_options(self, keys: Sequence[str]) -> dict[str, dict[str, Any] | None]:
         """The request options each call was recorded with (its first event's detail), by key;
         None for a call recorded before options were kept."""
         if not keys:
             return {}
-        with self.read() as conn:
-            rows = conn.execute(
-                select(EVENTS.c.key, EVENTS.c.detail)
-                .where(EVENTS.c.key.in_(list(keys)), EVENTS.c.event == "tool_call_requested")
-            ).all()
+        rows = self._fetch(
+            select(EVENTS.c.key, EVENTS.c.detail)
+            .where(EVENTS.c.key.in_(list(keys)), EVENTS.c.event == "tool_call_requested"))
         found: dict[str, dict[str, Any] | None] = {}
-        for key, detail in rows:
-            loaded = json.loads(detail) if detail else None
-            found[key] = loaded.get("request") if isinstance(loaded, dict) else None
+        for row in rows:
+            loaded = json.loads(row["detail"]) if row["detail"] else None
+            found[row["key"]] = loaded.get("request") if isinstance(loaded, dict) else None
         return found
 
     def get_calls(self, keys: Sequence[str]) -> dict[str, ToolCallRow]:
         """The stored calls among ``keys`` (one read), by key; missing keys are left out."""
         if not keys:
             return {}
-        with self.read() as conn:
-            rows = conn.execute(select(CALLS).where(CALLS.c.key.in_(list(keys)))).mappings()
-            return {r["key"]: ToolCallRow.model_validate(dict(r)) for r in rows}
+        rows = self._fetch(select(CALLS).where(CALLS.c.key.in_(list(keys))))
+        return {r["key"]: ToolCallRow.model_validate(r) for r in rows}
 
     def get_call(self, key: str) -> ToolCallRow | None:
         """The stored call, or None. Retried across a lost connection."""
@@ -885,13 +895,9 @@ class Store:
 
     def calls_for_session(self, session_id: str) -> list[ToolCallRow]:
         """The session's calls, oldest first."""
-        with self.read() as conn:
-            rows = conn.execute(
-                select(CALLS)
-                .where(CALLS.c.session_id == session_id)
-                .order_by(CALLS.c.created_at, CALLS.c.key)
-            ).mappings()
-            return [ToolCallRow.model_validate(dict(r)) for r in rows]
+        rows = self._fetch(select(CALLS).where(CALLS.c.session_id == session_id)
+                           .order_by(CALLS.c.created_at, CALLS.c.key))
+        return [ToolCallRow.model_validate(r) for r in rows]
 
     def mark_published(self, keys: str | Sequence[str], now: float | None = None, *,
                        republished: bool = False) -> None:
@@ -960,22 +966,15 @@ class Store:
 
     def events(self, session_id: str, after: int = 0, limit: int = 1000) -> list[CallEventRow]:
         """The session's events with ``id > after``, in order."""
-        with self.read() as conn:
-            rows = conn.execute(
-                select(EVENTS)
-                .where(EVENTS.c.session_id == session_id, EVENTS.c.id > after)
-                .order_by(EVENTS.c.id)
-                .limit(limit)
-            ).mappings()
-            return [CallEventRow.model_validate(dict(r)) for r in rows]
+        rows = self._fetch(select(EVENTS)
+                           .where(EVENTS.c.session_id == session_id, EVENTS.c.id > after)
+                           .order_by(EVENTS.c.id).limit(limit))
+        return [CallEventRow.model_validate(r) for r in rows]
 
     def events_for_call(self, key: str) -> list[CallEventRow]:
         """Every event of one call, in order."""
-        with self.read() as conn:
-            rows = conn.execute(
-                select(EVENTS).where(EVENTS.c.key == key).order_by(EVENTS.c.id)
-            ).mappings()
-            return [CallEventRow.model_validate(dict(r)) for r in rows]
+        rows = self._fetch(select(EVENTS).where(EVENTS.c.key == key).order_by(EVENTS.c.id))
+        return [CallEventRow.model_validate(r) for r in rows]
 
     # -- catalog --------------------------------------------------------------------------------
 
@@ -994,12 +993,10 @@ class Store:
 
     def list_catalog(self) -> list[CatalogRow]:
         """Every published catalog entry, by name."""
-        with self.read() as conn:
-            rows = conn.execute(select(CATALOG).order_by(CATALOG.c.name)).mappings()
-            return [CatalogRow.model_validate(dict(r)) for r in rows]
+        return [CatalogRow.model_validate(r)
+                for r in self._fetch(select(CATALOG).order_by(CATALOG.c.name))]
 
     def get_catalog(self, name: str) -> CatalogRow | None:
         """The published catalog entry of one tool."""
-        with self.read() as conn:
-            row = conn.execute(select(CATALOG).where(CATALOG.c.name == name)).mappings().first()
-        return CatalogRow.model_validate(dict(row)) if row else None
+        rows = self._fetch(select(CATALOG).where(CATALOG.c.name == name))
+        return CatalogRow.model_validate(rows[0]) if rows else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -225,3 +226,35 @@ def test_an_unwritable_state_directory_is_named(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigurationError, match="DEX_STATE_DIR"):
         beat_schedule.schedule_file(blocker / "state")
+
+
+def test_start_up_waits_for_a_store_that_is_not_answering_yet() -> None:
+    # A worker or beat starting while the database restarts (or drops connections) waits for
+    # it instead of exiting; anything else (an out-of-date schema) is not waited for.
+    from dex_tasks.cli import until_store_answers
+    from dex_tasks.errors import SchemaOutOfDateError, StoreUnavailableError
+
+    tries: list[float] = []
+
+    def flaky() -> str:
+        tries.append(time.monotonic())
+        if len(tries) < 3:
+            raise StoreUnavailableError("the store at postgresql://db failed: terminating")
+        return "published"
+
+    assert until_store_answers(flaky, wait=10) == "published"
+    assert len(tries) == 3 and tries[2] - tries[0] >= 1.0  # it paused between tries
+
+    def old_schema() -> None:
+        raise SchemaOutOfDateError("run `dex-tasks db upgrade`")
+
+    started = time.monotonic()
+    with pytest.raises(SchemaOutOfDateError):
+        until_store_answers(old_schema, wait=10)
+    assert time.monotonic() - started < 1.0
+
+    def down() -> None:
+        raise StoreUnavailableError("the store at postgresql://db failed: refused")
+
+    with pytest.raises(StoreUnavailableError):
+        until_store_answers(down, wait=1.0)
