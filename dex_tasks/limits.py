@@ -20,17 +20,29 @@ INTERRUPT_ID_MAX = 64
 APPROVER_MAX = 200
 
 
+def text_problem(text: str) -> str | None:
+    """What keeps the store from holding ``text`` (a NUL character, which PostgreSQL refuses
+    even escaped in jsonb; a lone surrogate, which UTF-8 cannot encode), or None.
+
+    The one check behind every text dex-tasks stores: ids, messages, arguments, results and
+    the HTTP bodies, so a value behaves the same whichever store it lands in.
+    """
+    if "\x00" in text:
+        return "contains a NUL character (\\x00), which the store cannot hold"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "contains a lone surrogate, which is not valid Unicode"
+    return None
+
+
 def check_text(field: str, value: object, *, error: type[DexError] = InvalidArgumentError) -> str:
     """``value`` if it is a string the store can hold (no NUL, valid Unicode); else ``error``."""
     if not isinstance(value, str):
         raise error(f"{field} must be a string, got {type(value).__name__}")
-    if "\x00" in value:
-        raise error(f"{field} may not contain NUL bytes (\\x00), got {_show(value)}")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise error(f"{field} contains a lone surrogate and is not valid Unicode, "
-                    f"got {_show(value)}") from None
+    problem = text_problem(value)
+    if problem:
+        raise error(f"{field} {problem}, got {_show(value)}")
     return value
 
 

@@ -14,7 +14,7 @@ from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from dex_tasks.errors import ToolDefinitionError
-from dex_tasks.limits import TOOL_NAME_MAX, check_id
+from dex_tasks.limits import TOOL_NAME_MAX, check_id, text_problem
 from dex_tasks.policy import EffectClass, ToolPolicy, parse_effect
 
 P = ParamSpec("P")
@@ -331,13 +331,8 @@ def string_problem(text: str, path: str) -> str | None:
     PostgreSQL's jsonb refuses both, even escaped (``\\u0000``); they are refused on SQLite too,
     so a value behaves the same whichever store it lands in.
     """
-    if "\x00" in text:
-        return f"{path} contains a NUL character (\\x00), which the store cannot hold"
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return f"{path} contains a lone surrogate, which is not valid Unicode"
-    return None
+    problem = text_problem(text)
+    return f"{path} {problem}" if problem else None
 
 
 def strings_problem(value: Any, path: str) -> str | None:

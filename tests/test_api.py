@@ -171,9 +171,9 @@ def test_a_wrong_body_gets_400_with_the_seeds_text(
         (b'{"interrupt_id": "IID", "approved": false, "rejection_message": "' + b"m" * 4001
          + b'"}', "rejection_message must be at most 4000 characters"),
         (b'{"interrupt_id": "IID", "approved": false, "rejection_message": "a\\u0000b"}',
-         "rejection_message must not contain NUL"),
+         "rejection_message contains a NUL character"),
         (b'{"interrupt_id": "\\ud800", "approved": true}',
-         "interrupt_id must not contain unpaired surrogate"),
+         "interrupt_id contains a lone surrogate"),
     ],
     ids=["form encoded", "empty", "not utf-8", "array", "string", "nested too deep",
          "unknown field", "empty session_id", "session_id int", "interrupt_id too long",

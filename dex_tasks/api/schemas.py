@@ -16,6 +16,8 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
 
+from dex_tasks.limits import text_problem
+
 MAX_SESSION_ID_LENGTH = 200
 MAX_INTERRUPT_ID_LENGTH = 64
 MAX_REJECTION_MESSAGE_LENGTH = 4000
@@ -108,12 +110,9 @@ def _check_text(field: str, value: str, limit: int) -> None:
         raise BodyError(f"{field} must be at most {limit} characters, got {len(value)}")
     # JSON lets a body carry NUL and lone surrogates; neither can be stored or compared
     # reliably (PostgreSQL refuses NUL, UTF-8 cannot encode a lone surrogate).
-    if "\x00" in value:
-        raise BodyError(f"{field} must not contain NUL characters")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise BodyError(f"{field} must not contain unpaired surrogate characters") from None
+    problem = text_problem(value)
+    if problem:
+        raise BodyError(f"{field} {problem}")
 
 
 def _json_kind(value: Any) -> str:
