@@ -176,9 +176,10 @@ def test_same_key_with_another_tool_or_arguments_is_a_conflict(client: DexClient
     with pytest.raises(ConflictError, match="arguments"):
         client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1",
                          tool="lookup_order", arguments={"order_id": "1002"})
-    # Argument order does not matter: the same arguments are the same call.
+    # The same request again (its options included, see test_bad_input.py) is the same call.
     same = client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1",
-                            tool="lookup_order", arguments={"order_id": "1001"})
+                            tool="lookup_order", arguments={"order_id": "1001"},
+                            expires_in=60)
     assert same == first
 
 
