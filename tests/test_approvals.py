@@ -320,12 +320,13 @@ def test_five_concurrent_resolves_in_processes_have_one_winner(
 
 
 def test_late_approval_is_refused_before_the_sweep_runs(db_client: DexClient) -> None:
-    # Given a call whose deadline has just passed, and no sweep yet
-    record = refund(db_client, "t1", "c1", approval_deadline=0.3)
+    # Given a call whose deadline has just passed, and no sweep yet (2 s: the snapshot below
+    # lists only approvals still open, and must be read before the deadline on a busy machine)
+    record = refund(db_client, "t1", "c1", approval_deadline=2)
     [pending] = db_client.get_agent_snapshot("s1").pending_interrupts
     assert pending.deadline is not None
     deadline = pending.deadline.timestamp()
-    wait_until(lambda: time.time() > deadline, 5, "the deadline to pass")
+    wait_until(lambda: time.time() > deadline, 10, "the deadline to pass")
 
     # When a person approves it
     # Then the approval is refused and the call still waits for the sweep, off the pending list
