@@ -47,7 +47,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
-from sqlalchemy.sql.elements import ClauseElement, ColumnElement
+from sqlalchemy.sql.elements import ClauseElement, ColumnElement, UnaryExpression
+from sqlalchemy.sql.operators import custom_op
 
 from dex_tasks.connections import (
     FORK_GUARD,
@@ -329,6 +330,20 @@ def _equals(column: str, value: Any) -> ColumnElement[bool]:
     guard: ColumnElement[bool] = (CALLS.c[column].is_(None) if value is None
                                   else CALLS.c[column] == _bound(column, value))
     return guard
+
+
+# The status as a statement that names its calls by key guards it, on SQLite: a unary "+" (SQLite's
+# documented way to keep a term from choosing an index). Given ``key IN (...) AND status = ?``,
+# SQLite, which keeps no statistics here, prefers a (status, ...) index and then reads every
+# call in that status: a sweep rejecting 1,000 of 1M pending approvals took 16 s instead of
+# 0.2 s. The "+" leaves it the key's index. PostgreSQL plans from its statistics and does not
+# take "+" on text, so it gets the plain column.
+_STATUS_BY_KEY = UnaryExpression(CALLS.c.status, operator=custom_op("+"), type_=CALLS.c.status.type)
+
+
+def status_by_key(sqlite: bool) -> ColumnElement[Any]:
+    """The status column to guard a statement that finds its calls by key (see above)."""
+    return _STATUS_BY_KEY if sqlite else CALLS.c.status
 
 
 @dataclass(frozen=True)
@@ -756,21 +771,21 @@ class Store:
                       for m in chunk))
         rows = conn.execute(
             update(CALLS)
-            .where(CALLS.c.status.in_(sorted(s.value for s in sources)), guard)
+            .where(status_by_key(self.is_sqlite).in_(sorted(s.value for s in sources)), guard)
             .values(prev_status=CALLS.c.status, status=to.value, **fields)
             .returning(*_returning(to))
         ).all()
         self._record(conn, to, rows, {m.key: m.detail for m in chunk}, now, locked=False)
         return {r.key for r in rows}
 
-    @staticmethod
-    def _landed_many(conn: Connection, moves: Sequence[Move], now: float) -> set[str]:
+    def _landed_many(self, conn: Connection, moves: Sequence[Move], now: float) -> set[str]:
         """The moves a try that lost its connection had committed (see :meth:`_landed`)."""
         landed: set[str] = set()
         for to in {m.to for m in moves}:
             keys = [m.key for m in moves if m.to is to]
             landed |= set(conn.execute(
-                select(CALLS.c.key).where(CALLS.c.key.in_(keys), CALLS.c.status == to.value,
+                select(CALLS.c.key).where(CALLS.c.key.in_(keys),
+                                          status_by_key(self.is_sqlite) == to.value,
                                           CALLS.c.updated_at == now)).scalars())
         if landed:
             log.warning("a set-based transition whose connection was lost had committed",
@@ -913,7 +928,8 @@ class Store:
         if republished:
             values["republishes"] = CALLS.c.republishes + 1
         stmt = (update(CALLS)
-                .where(CALLS.c.key.in_(keys), CALLS.c.status == CallStatus.QUEUED.value)
+                .where(CALLS.c.key.in_(keys),
+                       status_by_key(self.is_sqlite) == CallStatus.QUEUED.value)
                 .values(**values))
         self._retrying(lambda conn, _: conn.execute(stmt))
 
@@ -931,7 +947,7 @@ class Store:
             update(CALLS)
             .where(
                 CALLS.c.key.in_(list(keys)),
-                CALLS.c.status == CallStatus.RUNNING.value,
+                status_by_key(self.is_sqlite) == CallStatus.RUNNING.value,
                 CALLS.c.worker.like(worker_prefix + "%"),
             )
             .values(lease_expires_at=store_now() + seconds)
