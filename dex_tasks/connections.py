@@ -9,6 +9,7 @@ disagree.
 from __future__ import annotations
 
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -77,9 +78,9 @@ def sqlite_engine(url: str, *, immediate: bool) -> Engine:
         # Take over transaction control from pysqlite so BEGIN is ours to issue.
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA synchronous=NORMAL")
         cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_SECONDS * 1000}")
+        _use_wal(cur)
+        cur.execute("PRAGMA synchronous=NORMAL")
         cur.close()
 
     @event.listens_for(engine, "begin")
@@ -89,6 +90,29 @@ def sqlite_engine(url: str, *, immediate: bool) -> Engine:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
     return engine
+
+
+def _use_wal(cur: Any) -> None:
+    """Put the database in WAL mode, waiting (bounded) while another connection converts it.
+
+    The mode is kept in the file, so only the first connection to a new database converts it.
+    That needs the write lock, and SQLite does not wait for it here: when another process
+    holds it (converting the same new file, as processes that start at once do), the pragma
+    fails at once with "database is locked" whatever the busy timeout, and a worker, beat or
+    the API then failed to start. A connection that finds WAL already on writes nothing.
+    """
+    deadline = time.monotonic() + SQLITE_BUSY_SECONDS
+    pause = 0.005
+    while True:
+        try:
+            if str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+                cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as err:
+            if "locked" not in str(err).lower() or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
 
 
 def server_engine(url: str, *, ping_after_idle: float | None) -> Engine:

@@ -516,6 +516,44 @@ def _create_schema(url: str, go: Any, out: Any) -> None:
     store.close()
 
 
+def test_a_new_sqlite_file_opens_while_another_process_holds_its_write_lock(
+    tmp_path: Any,
+) -> None:
+    # Given a new SQLite file whose write lock another connection holds, as a process that
+    # starts at the same moment does while it converts the file to WAL
+    path = tmp_path / "new.db"
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        conn = sqlite3.connect(path, isolation_level=None)
+        conn.execute("BEGIN IMMEDIATE")
+        holding.set()
+        release.wait(30)
+        conn.execute("COMMIT")
+        conn.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert holding.wait(10)
+    # When this process opens it, and the lock is let go half a second later
+    threading.Timer(0.5, release.set).start()
+    store = Store(f"sqlite:///{path}")
+    started = time.monotonic()
+    try:
+        store.create_all()
+        waited = time.monotonic() - started
+        # Then it waited for the lock instead of failing ("database is locked" at once), and
+        # the file is in WAL mode with a working schema
+        assert waited >= 0.4
+        with store.read() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert store.insert_call(call_row("s/t/c"))
+    finally:
+        release.set()
+        holder.join(10)
+        store.close()
+
+
 def test_schema_creation_is_safe_from_several_processes_at_once(database_url: str) -> None:
     # Given a fresh, empty database and six processes starting at the same moment
     ctx = multiprocessing.get_context("fork" if threading.active_count() == 1 else "spawn")
