@@ -282,12 +282,16 @@ def test_beat_reaps_a_lost_worker_with_only_beat_and_another_worker_running(
         final = client.wait(charge.key, 20)
         assert final.status is CallStatus.OUTCOME_UNKNOWN
         assert (final.error or "").startswith(OUTCOME_UNKNOWN_TOOL_RESULT)
-        logs = [(tmp_path / f"beat-{i}.log").read_text() for i in range(2)]
-        assert any("job=reap_expired_leases count=1" in log for log in logs), logs
+        # (a beat logs the reap after the commit that wakes us: wait for its line)
+        def logs() -> list[str]:
+            return [(tmp_path / f"beat-{i}.log").read_text() for i in range(2)]
+
+        wait_until(lambda: any("job=reap_expired_leases count=1" in log for log in logs()), 20,
+                   "a beat to log the reap")
         assert "reap_expired_leases" not in survivor.log()
         # And both beats were running sweeps, yet the call moved exactly once
-        for log in logs:
-            assert "dex.reap_expired_leases" in log, log
+        wait_until(lambda: all("dex.reap_expired_leases" in log for log in logs()), 30,
+                   "both beats to run the reaper")
         assert _finished_events(client, charge.key) == [
             (None, "queued"), ("queued", "running"), ("running", "outcome_unknown"),
         ]
