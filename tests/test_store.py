@@ -15,6 +15,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -456,17 +457,10 @@ def test_set_based_statements_find_their_calls_by_key_among_many_in_one_status(
         conn.execute(CALLS.insert(), rows)
         if not store.is_sqlite:
             conn.execute(text("ANALYZE"))
-    seen: list[tuple[str, Any]] = []
-
-    def capture(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
-        if statement.lstrip().upper().startswith("UPDATE DEX_TOOL_CALLS"):
-            seen.append((statement, parameters))
-
     def keys(status: CallStatus) -> list[str]:
         return [f"s/{status.value}/c{i}" for i in (7, 1500, 2999)]
 
-    event.listen(store.engine, "before_cursor_execute", capture)
-    try:
+    with _statements(store.engine, "UPDATE DEX_TOOL_CALLS") as seen:
         # When a sweep moves a few of them (each with its own values and guards), a worker
         # renews its leases and the republisher marks messages sent
         rejected = store.transition_many(
@@ -479,22 +473,71 @@ def test_set_based_statements_find_their_calls_by_key_among_many_in_one_status(
             allowed={CallStatus.RUNNING})
         renewed = store.renew_leases("w@h:", keys(CallStatus.RUNNING), 30.0)
         store.mark_published(keys(CallStatus.QUEUED), republished=True)
-    finally:
-        event.remove(store.engine, "before_cursor_execute", capture)
     assert rejected == set(keys(CallStatus.AWAITING_APPROVAL))
     assert reaped == set(keys(CallStatus.RUNNING)[:2]) and renewed == 1
     assert len(seen) == 4
 
     # Then each UPDATE reaches its calls through the key, never by walking a status's calls
     # (on SQLite that read all 1M pending approvals per sweep: 16 s instead of 0.2 s)
-    explain = "EXPLAIN QUERY PLAN" if store.is_sqlite else "EXPLAIN"
-    with store.read() as conn:
-        plans = ["\n".join(str(r[-1] if store.is_sqlite else r[0])
-                           for r in conn.exec_driver_sql(f"{explain} {sql}", params))
-                 for sql, params in seen]
-    for plan in plans:
+    for plan in _plans(store, seen):
         assert "ix_dex_calls_status" not in plan and "Seq Scan" not in plan, plan
         assert "(key=?)" in plan if store.is_sqlite else "dex_tool_calls_pkey" in plan, plan
+
+
+def test_the_stranded_call_read_is_index_ranges_not_a_walk_of_the_queue(store: Store) -> None:
+    # Given 3,000 queued calls published just now, none stranded, and a few that are: two
+    # never published and two published long ago
+    now = time.time()
+    rows = [call_row(f"s/q/c{i}", published_at=now) for i in range(3000)]
+    rows += [call_row(f"s/never/c{i}", published_at=None) for i in range(2)]
+    rows += [call_row(f"s/old/c{i}", published_at=now - 3600 + i) for i in range(2)]
+    with store.write() as conn:
+        conn.execute(CALLS.insert(), rows)
+        if not store.is_sqlite:
+            conn.execute(text("ANALYZE"))
+    # When the republisher asks for the stranded ones
+    with _statements(store.read_engine, "SELECT") as seen:
+        stranded = [c.key for c in store.stranded_queued(now - 60)]
+    # Then it gets the never published first and then the oldest, within its limit
+    assert sorted(stranded[:2]) == ["s/never/c0", "s/never/c1"]
+    assert stranded[2:] == ["s/old/c0", "s/old/c1"]
+    assert [c.key for c in store.stranded_queued(now - 60, limit=3)] == stranded[:3]
+    # and each read is a range of the (status, published_at) index, bounded on both columns,
+    # never a walk of every queued call filtered row by row
+    plans = _plans(store, seen)
+    assert len(plans) == 2
+    for plan in plans:
+        assert "ix_dex_calls_status_published" in plan and "Seq Scan" not in plan, plan
+        if store.is_sqlite:
+            assert "(status=? AND published_at" in plan, plan
+        else:
+            assert "Filter" not in plan, plan
+            assert all("published_at" in line for line in plan.splitlines() if "Cond" in line)
+
+
+@contextmanager
+def _statements(engine: Any, prefix: str) -> Iterator[list[tuple[str, Any]]]:
+    """The statements (with their parameters) ``engine`` runs that start with ``prefix``."""
+    seen: list[tuple[str, Any]] = []
+
+    def capture(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        if statement.lstrip().upper().startswith(prefix):
+            seen.append((statement, parameters))
+
+    event.listen(engine, "before_cursor_execute", capture)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "before_cursor_execute", capture)
+
+
+def _plans(store: Store, statements: list[tuple[str, Any]]) -> list[str]:
+    """The planner's plan of each statement, as it would run with its parameters."""
+    explain = "EXPLAIN QUERY PLAN" if store.is_sqlite else "EXPLAIN"
+    with store.read() as conn:
+        return ["\n".join(str(r[-1] if store.is_sqlite else r[0])
+                          for r in conn.exec_driver_sql(f"{explain} {sql}", params))
+                for sql, params in statements]
 
 
 def _table(statement: str) -> str:
