@@ -194,6 +194,21 @@ def roundtrips(
          console=console)
 
 
+@app.command()
+def driver(
+    calls: int = typer.Option(1000, "--calls", min=1, help="Calls per variant per round."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds (variants alternate)."),
+    store: str = typer.Option("both", "--store", help=STORE_HELP),
+    postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """A call's claim and finish through the store vs the same statements through the driver."""
+    from bench.driver import run_driver
+
+    _run(run_driver, calls=calls, rounds=rounds, stores=_stores(store, postgres_url),
+         postgres_url=postgres_admin_url(postgres_url), out_dir=_out(out), console=console)
+
+
 @app.command(name="all")
 def all_(
     quick: bool = typer.Option(False, "--quick",
@@ -205,6 +220,7 @@ def all_(
 ) -> None:
     """Every benchmark in turn (what ``make bench`` runs), then every target in one table."""
     from bench.batch import run_batch
+    from bench.driver import run_driver
     from bench.io_bound import run_io
     from bench.latency import run_latency
     from bench.memory import run_memory
@@ -224,6 +240,7 @@ def all_(
             run_throughput(calls=500 if quick else 2000, rounds=2 if quick else 3, **common),
             run_latency(calls=30 if quick else 100, rounds=2 if quick else 3, **common),
             run_batch(turns=20 if quick else 100, rounds=2 if quick else 3, **common),
+            run_driver(calls=200 if quick else 1000, rounds=2 if quick else 3, **common),
             run_io(calls=400 if quick else 2000, seconds=1.0, concurrency=200,
                    rounds=1 if quick else 3, **{**common, "stores": stores[:1]}),
             run_scrape(scales=[100_000] if quick else [100_000, 500_000], open_calls=1000,

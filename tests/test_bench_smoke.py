@@ -16,6 +16,7 @@ from typing import Any
 from rich.console import Console
 
 from bench.batch import run_batch
+from bench.driver import run_driver
 from bench.infra import child_env
 from bench.io_bound import run_io, threads_pool_supported
 from bench.latency import run_latency
@@ -52,6 +53,22 @@ def test_throughput_measures_raw_celery_and_both_dex_paths(tmp_path: Path) -> No
             assert row[figure] is not None and row[figure] == row[figure], (figure, row)
     assert {t["target"] for t in data["targets"]} == {
         "read_vs_raw_sqlite", "single_vs_read", "call_tool_vs_apply_async_p50"}
+
+
+def test_driver_times_the_store_against_the_same_statements_sent_directly(
+    tmp_path: Path,
+) -> None:
+    stores = ["sqlite", "postgres"] if POSTGRES_URL else ["sqlite"]
+    data = _written(run_driver(calls=5, rounds=1, stores=stores, postgres_url=POSTGRES_URL,
+                               out_dir=tmp_path, console=_quiet()), tmp_path)
+    variants = [(r["store"], r["variant"]) for r in data["timings"]]
+    expected = [("sqlite", "store"), ("sqlite", "driver"), ("sqlite", "insert_call")]
+    if POSTGRES_URL:
+        expected += [("postgres", "store"), ("postgres", "driver"), ("postgres", "insert_call"),
+                     ("postgres", "insert_cte")]
+    assert variants == expected
+    for row in data["timings"]:
+        assert len(row["rounds_ms"]) == 1 and row["ms_per_call"] > 0, row
 
 
 def test_sweep_scale_times_every_job_at_each_scale(tmp_path: Path) -> None:
