@@ -332,17 +332,16 @@ def _equals(column: str, value: Any) -> ColumnElement[bool]:
     return guard
 
 
-# The status as a statement that names its calls by key guards it, on SQLite: a unary "+" (SQLite's
-# documented way to keep a term from choosing an index). Given ``key IN (...) AND status = ?``,
-# SQLite, which keeps no statistics here, prefers a (status, ...) index and then reads every
-# call in that status: a sweep rejecting 1,000 of 1M pending approvals took 16 s instead of
-# 0.2 s. The "+" leaves it the key's index. PostgreSQL plans from its statistics and does not
-# take "+" on text, so it gets the plain column.
-_STATUS_BY_KEY = UnaryExpression(CALLS.c.status, operator=custom_op("+"), type_=CALLS.c.status.type)
+# How a statement that finds its calls by key guards their status. Given ``key IN (...) AND
+# status = ?``, SQLite (which keeps no statistics here) prefers a (status, ...) index and then
+# reads every call in that status: a sweep rejecting 1,000 of 1M pending approvals took 16 s
+# instead of 0.1 s. A unary "+" (SQLite's documented way to keep a term from choosing an index)
+# leaves it the key's index. PostgreSQL plans from its statistics, and has no "+" for text.
+_STATUS_BY_KEY = UnaryExpression(CALLS.c.status, operator=custom_op("+"),
+                                 type_=CALLS.c.status.type)
 
 
-def status_by_key(sqlite: bool) -> ColumnElement[Any]:
-    """The status column to guard a statement that finds its calls by key (see above)."""
+def _status_by_key(sqlite: bool) -> ColumnElement[Any]:
     return _STATUS_BY_KEY if sqlite else CALLS.c.status
 
 
@@ -771,7 +770,7 @@ class Store:
                       for m in chunk))
         rows = conn.execute(
             update(CALLS)
-            .where(status_by_key(self.is_sqlite).in_(sorted(s.value for s in sources)), guard)
+            .where(_status_by_key(self.is_sqlite).in_(sorted(s.value for s in sources)), guard)
             .values(prev_status=CALLS.c.status, status=to.value, **fields)
             .returning(*_returning(to))
         ).all()
@@ -785,7 +784,7 @@ class Store:
             keys = [m.key for m in moves if m.to is to]
             landed |= set(conn.execute(
                 select(CALLS.c.key).where(CALLS.c.key.in_(keys),
-                                          status_by_key(self.is_sqlite) == to.value,
+                                          _status_by_key(self.is_sqlite) == to.value,
                                           CALLS.c.updated_at == now)).scalars())
         if landed:
             log.warning("a set-based transition whose connection was lost had committed",
@@ -929,7 +928,7 @@ class Store:
             values["republishes"] = CALLS.c.republishes + 1
         stmt = (update(CALLS)
                 .where(CALLS.c.key.in_(keys),
-                       status_by_key(self.is_sqlite) == CallStatus.QUEUED.value)
+                       _status_by_key(self.is_sqlite) == CallStatus.QUEUED.value)
                 .values(**values))
         self._retrying(lambda conn, _: conn.execute(stmt))
 
@@ -947,7 +946,7 @@ class Store:
             update(CALLS)
             .where(
                 CALLS.c.key.in_(list(keys)),
-                status_by_key(self.is_sqlite) == CallStatus.RUNNING.value,
+                _status_by_key(self.is_sqlite) == CallStatus.RUNNING.value,
                 CALLS.c.worker.like(worker_prefix + "%"),
             )
             .values(lease_expires_at=store_now() + seconds)
