@@ -601,7 +601,12 @@ class Store:
                 return True
             # Nothing matched. After a lost connection that may be our own earlier try, which
             # committed: the row then holds exactly what this transition writes.
-            return n > 1 and self._landed(tx, key, to, {**match, **fields}) is not None
+            landed = self._landed(tx, key, to, {**match, **fields}) if n > 1 else None
+            if landed is not None and to.terminal:
+                # That try's connection died before its post-commit hooks ran: the call's end
+                # is announced (waiters woken, metrics counted) after this transaction instead.
+                note_ended(tx, key, to, landed, now)
+            return landed is not None
 
         return self._retrying(attempt)
 
@@ -778,14 +783,18 @@ class Store:
         return {r.key for r in rows}
 
     def _landed_many(self, conn: Connection, moves: Sequence[Move], now: float) -> set[str]:
-        """The moves a try that lost its connection had committed (see :meth:`_landed`)."""
+        """The moves a try that lost its connection had committed (see :meth:`_landed`); the
+        calls they ended are announced after this transaction, as that try's could not be."""
         landed: set[str] = set()
         for to in {m.to for m in moves}:
             keys = [m.key for m in moves if m.to is to]
-            landed |= set(conn.execute(
-                select(CALLS.c.key).where(CALLS.c.key.in_(keys),
-                                          _status_by_key(self.is_sqlite) == to.value,
-                                          CALLS.c.updated_at == now)).scalars())
+            for row in conn.execute(
+                    select(CALLS).where(CALLS.c.key.in_(keys),
+                                        _status_by_key(self.is_sqlite) == to.value,
+                                        CALLS.c.updated_at == now)):
+                landed.add(row.key)
+                if to.terminal:
+                    note_ended(conn, row.key, to, row, now)
         if landed:
             log.warning("a set-based transition whose connection was lost had committed",
                         extra={"action": "store_commit_recovered", "count": len(landed)})

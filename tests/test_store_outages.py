@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from dex_tasks import CallStatus, DexClient, DexSettings, StoreUnavailableError
-from dex_tasks.store import Move, Store
+from dex_tasks.store import EndedCall, Move, Store
 from tests.conftest import StartWorker, fast_settings
 from tests.helpers import TcpProxy, calls_on_every_path, started_pid, wait_until
 from tests.test_store import call_row
@@ -55,6 +55,8 @@ def _events(store: Store, key: str) -> list[tuple[str | None, str]]:
 def test_a_commit_whose_answer_was_lost_is_won_once(proxied: Store, proxy: TcpProxy) -> None:
     # Given a call, and a proxy that will lose the answer to each next COMMIT after the server
     # committed it: the client's connection dies during COMMIT
+    ended: list[EndedCall] = []
+    proxied.on_calls_ended(ended.extend)
     proxy.lose_commit_reply()
     assert proxied.insert_call(call_row("s/t/c"))
     assert proxy.stats()["commits-lost"] == 1
@@ -74,6 +76,9 @@ def test_a_commit_whose_answer_was_lost_is_won_once(proxied: Store, proxy: TcpPr
     assert row is not None and (row.status, row.result, row.attempts) == ("succeeded", "42", 1)
     assert _events(proxied, "s/t/c") == [(None, "queued"), ("queued", "running"),
                                          ("running", "succeeded")]
+    # And the call's end was announced once (waiters woken, metrics counted), though the try
+    # that committed it lost its connection before its own announcement
+    assert [(e.key, e.status) for e in ended] == [("s/t/c", CallStatus.SUCCEEDED)]
 
 
 def test_a_commit_whose_answer_was_lost_is_not_taken_for_someone_elses(
@@ -118,6 +123,8 @@ def test_set_based_transitions_and_renewals_survive_lost_connections(
     assert proxy.reset() >= 1
     assert proxied.renew_leases("w@h:", keys, 60.0) == 4
     # A set-based move whose COMMIT answer is lost, guarded per call (c3 is another owner's)
+    ended: list[EndedCall] = []
+    proxied.on_calls_ended(ended.extend)
     proxy.lose_commit_reply()
     moved = proxied.transition_many(
         [Move(k, CallStatus.FAILED, match={"worker": "w@h:1" if k != keys[3] else "w@h:2"},
@@ -129,6 +136,9 @@ def test_set_based_transitions_and_renewals_survive_lost_connections(
         assert _events(proxied, key)[-1] == ("running", "failed")
         assert len(_events(proxied, key)) == 3
     assert proxied.get_call(keys[3]).status == "running"  # type: ignore[union-attr]
+    # and the calls it ended were announced once each
+    assert sorted(e.key for e in ended) == keys[:3]
+    assert {e.status for e in ended} == {CallStatus.FAILED}
 
 
 def test_a_transition_waits_out_a_cut_and_gives_up_after_its_budget(
