@@ -457,6 +457,7 @@ def test_set_based_statements_find_their_calls_by_key_among_many_in_one_status(
         conn.execute(CALLS.insert(), rows)
         if not store.is_sqlite:
             conn.execute(text("ANALYZE"))
+
     def keys(status: CallStatus) -> list[str]:
         return [f"s/{status.value}/c{i}" for i in (7, 1500, 2999)]
 
@@ -478,7 +479,7 @@ def test_set_based_statements_find_their_calls_by_key_among_many_in_one_status(
     assert len(seen) == 4
 
     # Then each UPDATE reaches its calls through the key, never by walking a status's calls
-    # (on SQLite that read all 1M pending approvals per sweep: 16 s instead of 0.2 s)
+    # (on SQLite that read all 1M pending approvals per sweep: 16 s instead of 0.1 s)
     for plan in _plans(store, seen):
         assert "ix_dex_calls_status" not in plan and "Seq Scan" not in plan, plan
         assert "(key=?)" in plan if store.is_sqlite else "dex_tool_calls_pkey" in plan, plan
@@ -579,9 +580,9 @@ def test_a_new_sqlite_file_opens_while_another_process_holds_its_write_lock(
     holder.start()
     assert holding.wait(10)
     # When this process opens it, and the lock is let go half a second later
+    started = time.monotonic()
     threading.Timer(0.5, release.set).start()
     store = Store(f"sqlite:///{path}")
-    started = time.monotonic()
     try:
         store.create_all()
         waited = time.monotonic() - started
