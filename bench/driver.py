@@ -31,6 +31,7 @@ from rich.table import Table
 from sqlalchemy import bindparam, insert, literal, select
 
 from bench.infra import BenchError, bench_session, fresh_store, median, save_results
+from dex_tasks.connections import store_now
 from dex_tasks.states import CallStatus
 from dex_tasks.store import CALLS, EVENTS, Store
 
@@ -51,13 +52,13 @@ class Driver:
     def __init__(self, store: Store) -> None:
         self.postgres = not store.is_sqlite
         self.raw = store.engine.raw_connection()
+        # The store's clock, as the store itself writes it (connections.store_now).
+        self.now_sql = str(store_now().compile(dialect=store.engine.dialect))
         if self.postgres:
-            self.now_sql = "extract(epoch from clock_timestamp())"
             self.json, self.mark = "::jsonb", "%s"
             # the per-session delivery lock a terminal move takes in its RETURNING (store.py)
             lock = f", pg_advisory_xact_lock({0x64657801}, hashtext(session_id))"
         else:
-            self.now_sql = "(julianday('now') - 2440587.5) * 86400.0"
             self.json, self.mark, lock = "", "?", ""
         self.claim_sql = self._sql(
             "UPDATE dex_tool_calls SET prev_status=status, status='running', "

@@ -601,12 +601,7 @@ class Store:
                 return True
             # Nothing matched. After a lost connection that may be our own earlier try, which
             # committed: the row then holds exactly what this transition writes.
-            landed = self._landed(tx, key, to, {**match, **fields}) if n > 1 else None
-            if landed is not None and to.terminal:
-                # That try's connection died before its post-commit hooks ran: the call's end
-                # is announced (waiters woken, metrics counted) after this transaction instead.
-                note_ended(tx, key, to, landed, now)
-            return landed is not None
+            return n > 1 and self._landed(tx, key, to, {**match, **fields}, now) is not None
 
         return self._retrying(attempt)
 
@@ -673,11 +668,14 @@ class Store:
             deliver_ready_messages(conn, now, session_id, locked=True)
 
     @staticmethod
-    def _landed(conn: Connection, key: str, to: CallStatus,
-                written: Mapping[str, Any]) -> Any | None:
+    def _landed(conn: Connection, key: str, to: CallStatus, written: Mapping[str, Any],
+                now: float) -> Any | None:
         """The call's row if it is in ``to`` and holds every plain value of ``written``: what
         a try that committed before its connection was lost left behind. Its ``updated_at``
-        is the transition's own timestamp, so another writer's move does not match."""
+        is the transition's own timestamp, so another writer's move does not match.
+
+        That try's connection died before its post-commit hooks ran, so a call it ended is
+        announced (waiters woken, metrics counted) after this transaction instead."""
         guards = [CALLS.c.key == key, CALLS.c.status == to.value]
         guards += [_equals(column, value) for column, value in written.items()
                    if not isinstance(value, ClauseElement)]
@@ -686,6 +684,8 @@ class Store:
             log.warning("a transition whose connection was lost had committed; taken as won",
                         extra={"action": "store_commit_recovered", "key": key,
                                "status": to.value})
+            if to.terminal:
+                note_ended(conn, key, to, row, now)
         return row
 
     def claim(self, key: str, owner: str, lease_seconds: float, vet: Callable[[Any], V], *,
@@ -706,7 +706,7 @@ class Store:
             row = tx.execute(_CLAIM, params).first()
             if row is None:
                 landed = n > 1 and self._landed(tx, key, CallStatus.RUNNING,
-                                                {"worker": owner, "updated_at": now})
+                                                {"worker": owner, "updated_at": now}, now)
                 return (landed, vet(landed)) if landed else None
             vetted = vet(row)
             self._record(tx, CallStatus.RUNNING, [row],
