@@ -1,6 +1,6 @@
 """The beat schedule of dex-tasks: every sweep job, every ``DEX_SWEEP_INTERVAL_SECONDS``.
 
-Beat runs each job in its own process (``dex_tasks.beat``), except those that need the tool
+Beat runs each job in its own process (``dex_tasks.worker.beat``), except those that need the tool
 modules (``reconcile_unknown``), which it sends to the workers. Those entries expire after one
 interval, so a backlog of them (beat running while no worker consumes) does not pile up work
 that the next run does anyway.
@@ -12,11 +12,11 @@ import fcntl
 from pathlib import Path
 from typing import IO, Any
 
-from dex_tasks.beat import IN_BEAT, ON_WORKERS
-from dex_tasks.celery_app import SWEEP
+from dex_tasks.broker.celery_app import SWEEP
 from dex_tasks.errors import ConfigurationError
 from dex_tasks.settings import DexSettings
-from dex_tasks.sweeps import JOBS
+from dex_tasks.worker.beat import IN_BEAT, ON_WORKERS
+from dex_tasks.worker.sweeps import JOBS
 
 MAX_BEATS_PER_DIR = 16
 

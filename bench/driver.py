@@ -31,9 +31,9 @@ from rich.table import Table
 from sqlalchemy import bindparam, insert, literal, select
 
 from bench.infra import BenchError, bench_session, fresh_store, median, save_results
-from dex_tasks.connections import store_now
 from dex_tasks.states import CallStatus
 from dex_tasks.store import CALLS, EVENTS, Store
+from dex_tasks.store.connections import store_now
 
 OWNER = "bench@host:1"
 

@@ -28,8 +28,8 @@ import redis
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from dex_tasks.procutil import children_of, free_port, wait_until
-from dex_tasks.procutil import redis_pings as _pings
+from dex_tasks.ops.procutil import children_of, free_port, wait_until
+from dex_tasks.ops.procutil import redis_pings as _pings
 
 if TYPE_CHECKING:
     from dex_tasks import DexClient

@@ -46,7 +46,7 @@ from bench.infra import (
 )
 from bench.targets import check, print_targets
 from dex_tasks import CallStatus, DexClient, DexSettings
-from dex_tasks.procutil import dex_command
+from dex_tasks.ops.procutil import dex_command
 from dex_tasks.store import CALLS, EVENTS, MESSAGES
 
 VARIANTS = ("raw", "dex")

@@ -38,7 +38,7 @@ from bench.infra import (
 from bench.targets import check, print_targets
 from bench.throughput import session_for
 from dex_tasks import CallStatus, DexClient, DexSettings
-from dex_tasks.procutil import dex_command
+from dex_tasks.ops.procutil import dex_command
 
 MB = 1024 * 1024
 PER = 100_000

@@ -177,7 +177,8 @@ def _wait(client: DexClient, keys: list[str]) -> None:
 
 def in_process(redis_server: RedisServer, stores: list[str], postgres_url: str | None,
                calls: int, workdir: Path) -> list[Phase]:
-    from dex_tasks import execution, registry
+    from dex_tasks import registry
+    from dex_tasks.worker import execution
 
     if registry.get_local_tool(READ_TOOL) is not None:
         raise BenchError("the no-op tools are already imported in this process; run the "

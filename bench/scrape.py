@@ -31,7 +31,7 @@ from bench.infra import (
 )
 from bench.sweep_scale import bulk_insert
 from bench.targets import check, print_targets
-from dex_tasks.metrics import render_metrics
+from dex_tasks.broker.metrics import render_metrics
 from dex_tasks.store import CALLS, Store
 
 ENDED = ("succeeded", "failed", "rejected", "outcome_unknown")

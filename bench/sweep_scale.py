@@ -48,11 +48,11 @@ from bench.infra import (
 )
 from bench.targets import check, print_targets
 from dex_tasks import DexSettings
-from dex_tasks.celery_app import create_app
-from dex_tasks.execution import Runtime
-from dex_tasks.routing import TOOL_ALIVE_KEY
+from dex_tasks.broker.celery_app import create_app
+from dex_tasks.broker.routing import TOOL_ALIVE_KEY
 from dex_tasks.store import CALLS, INTERRUPTS, Store
-from dex_tasks.sweeps import JOBS, reap_expired_leases
+from dex_tasks.worker.execution import Runtime
+from dex_tasks.worker.sweeps import JOBS, reap_expired_leases
 
 DEFAULT_JOBS = ("expire_approvals", "reap_expired_leases", "republish_stranded")
 # The one job the issue sets a target for.

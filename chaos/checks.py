@@ -13,10 +13,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dex_tasks.approvals import APPROVAL_DEADLINE_PASSED
-from dex_tasks.models import ToolCallRow
 from dex_tasks.policy import EffectClass
 from dex_tasks.states import OUTCOME_UNKNOWN_TOOL_RESULT, TERMINAL, TOOL_DID_NOT_RUN, CallStatus
+from dex_tasks.store.deadlines import APPROVAL_DEADLINE_PASSED
+from dex_tasks.store.models import ToolCallRow
 
 APPROVE = "approve"
 EXPIRE = "expire"

@@ -39,8 +39,8 @@ from chaos.faults import AOF_MARKER, Faults
 from chaos.load import ACTIVE, Driver, plan
 from chaos.procs import Cluster, WorkerSpec, wait_for
 from dex_tasks import CallStatus, DexSettings, MessageRole
-from dex_tasks.models import ToolCallRow
 from dex_tasks.store import CALLS, EVENTS, MESSAGES, Store
+from dex_tasks.store.models import ToolCallRow
 from workers import ledger
 
 TOOLS = "workers.example_tools,chaos.tools"

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import redis
 
-from dex_tasks.procutil import children_of, dex_command, free_port, wait_until
-from dex_tasks.procutil import redis_pings as _pings
+from dex_tasks.ops.procutil import children_of, dex_command, free_port, wait_until
+from dex_tasks.ops.procutil import redis_pings as _pings
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -3,11 +3,10 @@
 The public names are re-exported here; see ``DESIGN.md`` for the contract they keep.
 """
 
-from dex_tasks.approvals import APPROVAL_DEADLINE_PASSED, APPROVAL_REJECTED
-from dex_tasks.async_client import AsyncDexClient
-from dex_tasks.calls import ToolCallRequest
-from dex_tasks.catalog import ToolSpec
-from dex_tasks.client import DexClient, idempotency_key
+from dex_tasks.agent.async_client import AsyncDexClient
+from dex_tasks.agent.calls import ToolCallRequest
+from dex_tasks.agent.client import DexClient, idempotency_key
+from dex_tasks.agent.reconcile import report_unknown_outcomes, report_unknown_outcomes_sync
 from dex_tasks.errors import (
     CallNotFoundError,
     ConfigurationError,
@@ -26,15 +25,6 @@ from dex_tasks.errors import (
     UnknownToolError,
 )
 from dex_tasks.policy import EffectClass, InvalidPolicyError, ToolPolicy
-from dex_tasks.reconcile import report_unknown_outcomes, report_unknown_outcomes_sync
-from dex_tasks.records import (
-    AgentSnapshot,
-    CallEvent,
-    Decision,
-    PendingInterrupt,
-    SessionMessage,
-    ToolCallRecord,
-)
 from dex_tasks.registry import Tool, ToolContext, define_tool, tool
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import (
@@ -42,6 +32,16 @@ from dex_tasks.states import (
     TOOL_DID_NOT_RUN,
     CallStatus,
     MessageRole,
+)
+from dex_tasks.store.catalog import ToolSpec
+from dex_tasks.store.deadlines import APPROVAL_DEADLINE_PASSED, APPROVAL_REJECTED
+from dex_tasks.store.records import (
+    AgentSnapshot,
+    CallEvent,
+    Decision,
+    PendingInterrupt,
+    SessionMessage,
+    ToolCallRecord,
 )
 from dex_tasks.tokens import TokenClaims, issue_token, verify_token
 

@@ -13,7 +13,7 @@ this module, so it adds no import edge to the library.
 
 from __future__ import annotations
 
-from dex_tasks.celery_app import create_app
+from dex_tasks.broker.celery_app import create_app
 from dex_tasks.settings import DexSettings
 
 app = create_app(DexSettings())

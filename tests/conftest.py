@@ -16,8 +16,8 @@ import redis
 from sqlalchemy import create_engine, text
 
 from dex_tasks import DexClient, DexSettings, StoreUnavailableError
-from dex_tasks.execution import Runtime
-from dex_tasks.sweeps import run_job
+from dex_tasks.worker.execution import Runtime
+from dex_tasks.worker.sweeps import run_job
 from tests.helpers import RedisServer, WorkerProcess, free_port, start_process
 
 POSTGRES_URL = os.environ.get("DEX_TEST_POSTGRES_URL", "")

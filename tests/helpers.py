@@ -23,12 +23,12 @@ import redis
 from dex_tasks import AgentSnapshot, MessageRole, SessionMessage
 
 # Re-exported for the tests, which import them from here.
-from dex_tasks.procutil import children_of as children_of
-from dex_tasks.procutil import dex_command as dex_command
-from dex_tasks.procutil import free_port as free_port
-from dex_tasks.procutil import pid_alive as pid_alive
-from dex_tasks.procutil import redis_pings as _pings
-from dex_tasks.procutil import wait_until as wait_until
+from dex_tasks.ops.procutil import children_of as children_of
+from dex_tasks.ops.procutil import dex_command as dex_command
+from dex_tasks.ops.procutil import free_port as free_port
+from dex_tasks.ops.procutil import pid_alive as pid_alive
+from dex_tasks.ops.procutil import redis_pings as _pings
+from dex_tasks.ops.procutil import wait_until as wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")

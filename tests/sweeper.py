@@ -12,11 +12,11 @@ import json
 import sys
 import time
 
-from dex_tasks.celery_app import create_app
+from dex_tasks.broker.celery_app import create_app
 from dex_tasks.errors import StoreUnavailableError
-from dex_tasks.execution import runtime
 from dex_tasks.settings import DexSettings
-from dex_tasks.sweeps import run_job
+from dex_tasks.worker.execution import runtime
+from dex_tasks.worker.sweeps import run_job
 
 
 def main() -> None:

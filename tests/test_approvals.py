@@ -30,13 +30,13 @@ from dex_tasks import (
     DexSettings,
     InvalidArgumentError,
     ToolCallRecord,
-    approvals,
-    sweeps,
 )
-from dex_tasks.cli import app as cli_app
-from dex_tasks.execution import Runtime
-from dex_tasks.routing import queue_for
-from dex_tasks.store import INTERRUPTS, Store
+from dex_tasks.agent import approvals
+from dex_tasks.broker.routing import queue_for
+from dex_tasks.ops.cli import app as cli_app
+from dex_tasks.store import INTERRUPTS, Store, deadlines
+from dex_tasks.worker import sweeps
+from dex_tasks.worker.execution import Runtime
 from tests.conftest import StartWorker, fast_settings
 from tests.helpers import start_process, user_messages, wait_until
 from workers import ledger
@@ -335,7 +335,7 @@ def test_late_approval_is_refused_before_the_sweep_runs(db_client: DexClient) ->
     assert db_client.get_agent_snapshot("s1").pending_interrupts == []
 
     # When the sweep runs it rejects the call with the deadline reason
-    assert approvals.expire_overdue(db_client.store) == 1
+    assert deadlines.expire_overdue(db_client.store) == 1
     call = db_client.get_tool_call(record.key)
     assert call.status is CallStatus.REJECTED
     assert call.error is not None and call.error.startswith(APPROVAL_DEADLINE_PASSED)
@@ -343,7 +343,7 @@ def test_late_approval_is_refused_before_the_sweep_runs(db_client: DexClient) ->
     [decision] = db_client.get_agent_snapshot("s1").decided
     assert (decision.decision, decision.decided_by) == ("expired", None)
     # And a second sweep or a late decision changes nothing
-    assert approvals.expire_overdue(db_client.store) == 0
+    assert deadlines.expire_overdue(db_client.store) == 0
     assert not db_client.resolve_interrupt("s1", interrupt_of(record), False)
 
 
@@ -352,7 +352,7 @@ def test_deadline_rejection_is_distinct_from_a_human_rejection(db_client: DexCli
     by_deadline = refund(db_client, "t1", "c2", approval_deadline=60)
     assert db_client.resolve_interrupt("s1", interrupt_of(by_person), False,
                                        rejection_message="the deadline passed", approver="eve")
-    assert approvals.expire_overdue(db_client.store, now=time.time() + 120) == 1
+    assert deadlines.expire_overdue(db_client.store, now=time.time() + 120) == 1
 
     person = db_client.get_tool_call(by_person.key).error or ""
     deadline = db_client.get_tool_call(by_deadline.key).error or ""
@@ -375,7 +375,7 @@ def test_two_sweeps_and_a_decider_at_once_decide_each_call_once(db_client: DexCl
 
     def sweep() -> None:
         barrier.wait()
-        swept.append(approvals.expire_overdue(db_client.store, now=later, batch=7))
+        swept.append(deadlines.expire_overdue(db_client.store, now=later, batch=7))
 
     def approve_all() -> None:
         barrier.wait()
@@ -402,7 +402,7 @@ def test_two_sweeps_and_a_decider_at_once_decide_each_call_once(db_client: DexCl
         moves = [e for e in db_client.store.events_for_call(r.key)
                  if e.from_status == CallStatus.AWAITING_APPROVAL.value]
         assert len(moves) == 1
-    assert approvals.expire_overdue(db_client.store, now=later) == 0
+    assert deadlines.expire_overdue(db_client.store, now=later) == 0
 
 
 def test_deadline_sweep_reads_only_overdue_rows_through_the_index(database_url: str) -> None:
@@ -425,7 +425,7 @@ def test_deadline_sweep_reads_only_overdue_rows_through_the_index(database_url: 
         conn.execute(text("ANALYZE"))
         # When the planner is asked how it would run the sweep's statements
         plans = []
-        for statement in (approvals.expire_statement(now), approvals.batch_bound(now, 500)):
+        for statement in (deadlines.expire_statement(now), deadlines.batch_bound(now, 500)):
             sql = str(statement.compile(conn, compile_kwargs={"literal_binds": True}))
             explain = "EXPLAIN QUERY PLAN" if store.is_sqlite else "EXPLAIN"
             plans.append("\n".join(str(r[-1]) for r in conn.exec_driver_sql(f"{explain} {sql}")))

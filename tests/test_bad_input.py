@@ -21,10 +21,10 @@ from dex_tasks import (
     InvalidArgumentError,
     InvalidCallError,
 )
-from dex_tasks.execution import Runtime
-from dex_tasks.routing import queue_for
+from dex_tasks.broker.routing import queue_for
 from dex_tasks.store import CALLS
-from dex_tasks.sweeps import run_job
+from dex_tasks.worker.execution import Runtime
+from dex_tasks.worker.sweeps import run_job
 from tests.conftest import StartWorker, fast_settings
 from workers import example_tools, ledger
 

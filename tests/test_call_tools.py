@@ -23,9 +23,9 @@ from dex_tasks import (
     ToolCallRequest,
     UnknownToolError,
 )
-from dex_tasks.execution import Runtime
-from dex_tasks.routing import TOOL_QUEUE_PREFIX
+from dex_tasks.broker.routing import TOOL_QUEUE_PREFIX
 from dex_tasks.states import TOOL_DID_NOT_RUN
+from dex_tasks.worker.execution import Runtime
 from tests.conftest import StartWorker, fast_settings
 from tests.helpers import free_port
 from workers import ledger

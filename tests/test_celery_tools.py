@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from dex_tasks import OUTCOME_UNKNOWN_TOOL_RESULT, CallStatus, DexClient
-from dex_tasks.celery_app import publish
+from dex_tasks.broker.celery_app import publish
 from tests.conftest import StartWorker
 from tests.helpers import ROOT, free_port, start_process, started_pid, wait_until
 

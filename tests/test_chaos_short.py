@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from chaos.checks import APPROVE, EXPIRE, Kill, ToolMessage, check_run
-from dex_tasks.approvals import deadline_error
-from dex_tasks.models import ToolCallRow
 from dex_tasks.states import OUTCOME_UNKNOWN_TOOL_RESULT, TOOL_DID_NOT_RUN
+from dex_tasks.store.deadlines import deadline_error
+from dex_tasks.store.models import ToolCallRow
 from tests.helpers import ROOT
 
 

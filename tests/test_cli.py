@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 import beat_schedule
 from dex_tasks import DexClient, DexSettings
-from dex_tasks.cli import app, main
+from dex_tasks.ops.cli import app, main
 from dex_tasks.settings import default_state_dir
 from tests.conftest import settings_env
 from tests.helpers import ROOT, dex_command, wait_until
@@ -231,8 +231,8 @@ def test_an_unwritable_state_directory_is_named(tmp_path: Path) -> None:
 def test_start_up_waits_for_a_store_that_is_not_answering_yet() -> None:
     # A worker or beat starting while the database restarts (or drops connections) waits for
     # it instead of exiting; anything else (an out-of-date schema) is not waited for.
-    from dex_tasks.cli import until_store_answers
     from dex_tasks.errors import SchemaOutOfDateError, StoreUnavailableError
+    from dex_tasks.ops.cli import until_store_answers
 
     tries: list[float] = []
 

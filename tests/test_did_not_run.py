@@ -24,9 +24,9 @@ from dex_tasks import (
     UnknownToolError,
     registry,
 )
-from dex_tasks.execution import Runtime
-from dex_tasks.routing import announcements_complete, queue_for
-from dex_tasks.sweeps import run_all
+from dex_tasks.broker.routing import announcements_complete, queue_for
+from dex_tasks.worker.execution import Runtime
+from dex_tasks.worker.sweeps import run_all
 from tests.conftest import StartWorker, fast_settings
 from tests.helpers import free_port, wait_until
 from workers import example_tools, ledger

@@ -37,7 +37,7 @@ from dex_tasks import (
     ToolContext,
     ToolDefinitionError,
 )
-from dex_tasks.celery_app import publish
+from dex_tasks.broker.celery_app import publish
 from dex_tasks.integrations.mcp import MCPToolError, close_sessions, mcp_tools
 from tests.conftest import StartWorker
 from tests.helpers import ROOT, WorkerProcess, free_port, pid_alive, wait_until

@@ -1,9 +1,9 @@
 """Leases under load: a slow but live call is never reaped; a dead worker's lease runs out.
 
-The lease of a running call is renewed by the worker's main process (``dex_tasks.hooks``), not
-by the child that runs the tool, so a tool that holds the GIL or a machine busy with other work
-must not make a live call look lost. The reaper runs every 0.2 s here, far more often than beat.
-"""
+The lease of a running call is renewed by the worker's main process
+(``dex_tasks.worker.hooks``), not by the child that runs the tool, so a tool that holds the GIL
+or a machine busy with other work must not make a live call look lost. The reaper runs every 0.2
+s here, far more often than beat."""
 
 from __future__ import annotations
 

@@ -95,11 +95,11 @@ def test_redact_leaves_ordinary_text_alone() -> None:
 
 def test_text_format_appends_extras_as_key_value(capture: io.StringIO) -> None:
     configure_logging("text", "INFO", stream=capture)
-    logging.getLogger("dex_tasks.sweeps").info(
+    logging.getLogger("dex_tasks.worker.sweeps").info(
         "sweep done", extra={"action": "sweep", "job": "reap expired", "count": 3,
                              "secret_key": "nope"})
     line = capture.getvalue().strip()
-    assert " INFO dex_tasks.sweeps sweep done " in line
+    assert " INFO dex_tasks.worker.sweeps sweep done " in line
     assert line.endswith(f'action=sweep job="reap expired" count=3 secret_key={REDACTED}')
 
 

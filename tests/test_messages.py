@@ -20,10 +20,8 @@ from dex_tasks import (
     DexClient,
     InvalidArgumentError,
     ToolCallRecord,
-    approvals,
-    transcript,
 )
-from dex_tasks.store import MESSAGES
+from dex_tasks.store import MESSAGES, deadlines, transcript
 from tests.conftest import fast_settings
 from tests.helpers import user_messages
 
@@ -120,7 +118,7 @@ def test_a_turn_begun_after_the_message_does_not_hold_it(db_client: DexClient) -
 def test_the_deadline_sweep_ending_a_turn_delivers_its_message(db_client: DexClient) -> None:
     pending(db_client, "t1", "c1", approval_deadline=60)
     db_client.send_user_message("s1", "are you there?")
-    assert approvals.expire_overdue(db_client.store, now=time.time() + 120) == 1
+    assert deadlines.expire_overdue(db_client.store, now=time.time() + 120) == 1
     assert statuses(db_client) == ["delivered"]
 
 

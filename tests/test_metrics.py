@@ -16,12 +16,12 @@ import workers.example_tools  # noqa: F401 - registers the example tools in this
 from bench.sweep_scale import bulk_insert
 from dex_tasks import CallStatus, DexClient, DexSettings
 from dex_tasks.api import create_api
-from dex_tasks.execution import Runtime
-from dex_tasks.metrics import open_calls_query, render_metrics
-from dex_tasks.notify import install
+from dex_tasks.broker.metrics import open_calls_query, render_metrics
+from dex_tasks.broker.notify import install
 from dex_tasks.store import CALLS, Store
-from dex_tasks.sweeps import run_job
 from dex_tasks.tokens import issue_token
+from dex_tasks.worker.execution import Runtime
+from dex_tasks.worker.sweeps import run_job
 from tests.conftest import StartWorker
 from tests.helpers import free_port
 

@@ -25,12 +25,12 @@ import pytest
 from alembic import command
 from sqlalchemy import MetaData, create_engine, insert, inspect, text
 
-from dex_tasks import DexClient, MessageRole, SchemaOutOfDateError, schema
-from dex_tasks.catalog import entry_for
+from dex_tasks import DexClient, MessageRole, SchemaOutOfDateError
 from dex_tasks.errors import ConfigurationError
-from dex_tasks.reconcile import unreported_calls
 from dex_tasks.states import CallStatus
-from dex_tasks.store import Store
+from dex_tasks.store import Store, schema
+from dex_tasks.store.catalog import entry_for
+from dex_tasks.worker.reconcilers import unreported_calls
 from tests.conftest import POSTGRES_URL, fast_settings, settings_env
 from tests.helpers import (
     ROOT,
@@ -513,14 +513,14 @@ def test_the_wheel_ships_the_migrations(tmp_path: Path) -> None:
     assert built.returncode == 0, built.stderr
     wheel = next((tmp_path / "dist").glob("dex_tasks-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"dex_tasks/migrations/env.py", "dex_tasks/migrations/script.py.mako",
-            "dex_tasks/migrations/versions/0001_first_release.py"} <= names
+    assert {"dex_tasks/store/migrations/env.py", "dex_tasks/store/migrations/script.py.mako",
+            "dex_tasks/store/migrations/versions/0001_first_release.py"} <= names
     # When it is unpacked and imported from anywhere but the source tree
     unpacked = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(unpacked)
     found = subprocess.run(
         [sys.executable, "-c",
-         "import sys; sys.path.insert(0, sys.argv[1]); import dex_tasks.schema as s; "
+         "import sys; sys.path.insert(0, sys.argv[1]); import dex_tasks.store.schema as s; "
          "print(s.__file__); print(s.head_revision())", str(unpacked)],
         capture_output=True, text=True, cwd=tmp_path, timeout=60)
     # Then Alembic finds every revision inside the package, with no alembic.ini

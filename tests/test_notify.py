@@ -22,10 +22,10 @@ import redis
 
 import workers.example_tools  # noqa: F401 - registers the example tools in this process
 from dex_tasks import AsyncDexClient, CallStatus, DexClient, DexSettings, registry
-from dex_tasks.execution import Runtime
-from dex_tasks.notify import CHANNEL_PREFIX, CallWatcher, ended_channel, install
+from dex_tasks.broker.notify import CHANNEL_PREFIX, CallWatcher, ended_channel, install
 from dex_tasks.store import Store
-from dex_tasks.sweeps import run_job
+from dex_tasks.worker.execution import Runtime
+from dex_tasks.worker.sweeps import run_job
 from tests.conftest import StartWorker, fast_settings, settings_env
 from tests.helpers import ROOT, dex_command, free_port, started_pid, wait_until
 

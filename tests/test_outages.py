@@ -56,7 +56,8 @@ def test_busy_workers_survive_redis_restarts_and_consume_again(
     client: DexClient, start_worker: StartWorker, private_redis: RedisServer, ledger_path: Path
 ) -> None:
     # Given a worker running a late-acked call, so it holds an unacked message. Celery/kombu
-    # 5.7 shut such a worker down when the connection dropped (dex_tasks.main_process.DexConsumer
+    # 5.7 shut such a worker down when the connection dropped
+    # (dex_tasks.worker.main_process.DexConsumer
     # has the details); the same worker process must keep serving.
     worker = start_worker(concurrency=2)
     assert client.wait(_lookup(client, "warm-up"), 20).status is CallStatus.SUCCEEDED

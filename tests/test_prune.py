@@ -14,11 +14,11 @@ from sqlalchemy import func, insert, select
 from typer.testing import CliRunner
 
 from dex_tasks import CallStatus, DexClient, InvalidArgumentError, MessageRole
-from dex_tasks.cli import app as cli_app
-from dex_tasks.prune import PruneResult, candidates, parse_age, prune
-from dex_tasks.reconcile import unreported_calls
+from dex_tasks.ops.cli import app as cli_app
 from dex_tasks.store import CALLS, EVENTS, INTERRUPTS, MESSAGES, Store
-from dex_tasks.transcript import add_assistant_message, report_text, send_user_message
+from dex_tasks.store.prune import PruneResult, candidates, parse_age, prune
+from dex_tasks.store.transcript import add_assistant_message, report_text, send_user_message
+from dex_tasks.worker.reconcilers import unreported_calls
 from tests.conftest import StartWorker, fast_settings
 
 NOW = time.time()

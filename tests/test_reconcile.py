@@ -31,14 +31,15 @@ from dex_tasks import (
     report_unknown_outcomes_sync,
     tool,
 )
-from dex_tasks.celery_app import SWEEP
-from dex_tasks.execution import Runtime
-from dex_tasks.reconcile import InvalidCheckResultError, reconcile_with_reconcilers
+from dex_tasks.agent.reconcile import InvalidCheckResultError
+from dex_tasks.broker.celery_app import SWEEP
 from dex_tasks.registry import ToolContext
 from dex_tasks.states import OUTCOME_UNKNOWN_TOOL_RESULT
 from dex_tasks.store import MESSAGES
-from dex_tasks.sweeps import run_job
-from dex_tasks.transcript import names_key
+from dex_tasks.store.transcript import names_key
+from dex_tasks.worker.execution import Runtime
+from dex_tasks.worker.reconcilers import reconcile_with_reconcilers
+from dex_tasks.worker.sweeps import run_job
 from tests.conftest import StartWorker, fast_settings, settings_env
 from tests.helpers import (
     ROOT,

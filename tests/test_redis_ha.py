@@ -21,10 +21,10 @@ import pytest
 import redis
 
 from dex_tasks import TOOL_DID_NOT_RUN, CallStatus, DexClient, DexSettings, ToolCallRecord
-from dex_tasks.celery_app import create_app
+from dex_tasks.broker.celery_app import create_app
+from dex_tasks.broker.metrics import SWEEP_STATS_KEY, metrics_redis, render_metrics
+from dex_tasks.broker.redis_clients import redis_client
 from dex_tasks.errors import ConfigurationError
-from dex_tasks.metrics import SWEEP_STATS_KEY, metrics_redis, render_metrics
-from dex_tasks.redis_clients import redis_client
 from tests.conftest import fast_settings, settings_env
 from tests.helpers import WorkerProcess, start_process, wait_until
 from tests.redis_ha import (

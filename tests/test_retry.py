@@ -16,10 +16,10 @@ import pytest
 import redis
 
 from dex_tasks import OUTCOME_UNKNOWN_TOOL_RESULT, CallStatus, DexClient, DexSettings, EffectClass
-from dex_tasks.execution import Runtime
-from dex_tasks.retry import after_transient_error, after_worker_lost, backoff
-from dex_tasks.routing import queue_for
-from dex_tasks.sweeps import republish_stranded
+from dex_tasks.broker.routing import queue_for
+from dex_tasks.worker.execution import Runtime
+from dex_tasks.worker.retry import after_transient_error, after_worker_lost, backoff
+from dex_tasks.worker.sweeps import republish_stranded
 from tests.conftest import StartWorker
 from tests.helpers import started_pid, wait_until
 from workers import ledger

@@ -15,9 +15,8 @@ import pytest
 import redis
 
 from dex_tasks import TOOL_DID_NOT_RUN, CallStatus, DexClient, DexSettings
-from dex_tasks.celery_app import RECONCILE_QUEUE, SWEEP
-from dex_tasks.execution import Runtime
-from dex_tasks.routing import (
+from dex_tasks.broker.celery_app import RECONCILE_QUEUE, SWEEP
+from dex_tasks.broker.routing import (
     TOOL_QUEUE_PREFIX,
     ServeSelectionError,
     announcements_complete,
@@ -25,7 +24,8 @@ from dex_tasks.routing import (
     queue_for,
     select_tools,
 )
-from dex_tasks.sweeps import expire_unserved, republish_stranded
+from dex_tasks.worker.execution import Runtime
+from dex_tasks.worker.sweeps import expire_unserved, republish_stranded
 from tests.conftest import StartWorker, fast_settings
 from tests.helpers import ROOT, RedisServer, dex_command, free_port, wait_until
 from workers import example_tools, ledger
@@ -95,7 +95,7 @@ def test_a_call_waits_for_a_worker_with_its_tool_and_ends_only_at_its_queue_dead
                                 expires_in=5)
     # ... and a read whose message was lost (its tool is served: only the republisher acts)
     with monkeypatch.context() as patch:
-        patch.setattr("dex_tasks.client.publish", lambda *_, **__: None)
+        patch.setattr("dex_tasks.agent.client.publish", lambda *_, **__: None)
         unsent = client.call_tool(session_id="s", turn_id="t", tool_call_id="unsent",
                                   tool="lookup_order", arguments={"order_id": "1002"})
 

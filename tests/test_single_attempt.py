@@ -21,10 +21,10 @@ from dex_tasks import (
     DexClient,
     ToolCallRecord,
 )
-from dex_tasks.celery_app import publish
-from dex_tasks.execution import Runtime
-from dex_tasks.routing import queue_for
-from dex_tasks.sweeps import reap_expired_leases, republish_stranded, run_all
+from dex_tasks.broker.celery_app import publish
+from dex_tasks.broker.routing import queue_for
+from dex_tasks.worker.execution import Runtime
+from dex_tasks.worker.sweeps import reap_expired_leases, republish_stranded, run_all
 from tests.conftest import StartWorker
 from tests.helpers import WorkerProcess, dex_command, pid_alive, wait_until
 from workers import example_tools, ledger

@@ -240,7 +240,7 @@ def test_catalog_upsert(store: Store) -> None:
 
 
 def test_concurrent_catalog_publishes_of_a_new_tool_all_succeed(store: Store) -> None:
-    from dex_tasks import catalog
+    from dex_tasks.store import catalog
     from workers import example_tools
 
     # Given several workers starting at once, all publishing the same new tools
@@ -373,7 +373,7 @@ def test_transition_many_guards_each_call_and_writes_one_event_each(store: Store
 
 
 def test_set_based_endings_deliver_the_messages_of_turns_they_end(store: Store) -> None:
-    from dex_tasks.transcript import send_user_message
+    from dex_tasks.store.transcript import send_user_message
 
     # Given two sessions whose turns are open, each with a user message waiting
     for session in ("s1", "s2"):
@@ -403,7 +403,7 @@ def test_a_call_costs_a_worker_two_transactions_and_delivery_only_when_a_message
 ) -> None:
     from sqlalchemy import event
 
-    from dex_tasks.transcript import send_user_message
+    from dex_tasks.store.transcript import send_user_message
 
     statements: list[str] = []
 

@@ -21,8 +21,8 @@ from dex_tasks import (
     define_tool,
     registry,
 )
-from dex_tasks.sqljson import same_json
 from dex_tasks.store import Store
+from dex_tasks.store.sqljson import same_json
 from tests.conftest import StartWorker, fast_settings
 
 
@@ -176,7 +176,7 @@ def test_event_and_message_ids_go_past_32_bits(db_client: DexClient) -> None:
 
 def test_store_fixture_is_at_head(database_url: str) -> None:
     # The store every other test uses is migrated, not created from the models.
-    from dex_tasks import schema
+    from dex_tasks.store import schema
 
     store = Store(database_url)
     try:

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 from dex_tasks import CallStatus, DexClient, ToolCallRecord
-from dex_tasks.approvals import APPROVAL_DEADLINE_PASSED
+from dex_tasks.store.deadlines import APPROVAL_DEADLINE_PASSED
 from tests.conftest import StartWorker
 from tests.helpers import started_pid, wait_until
 from workers import example_tools

@@ -23,13 +23,13 @@ from dex_tasks import (
     CallStatus,
     DexClient,
     DexSettings,
-    claims,
 )
-from dex_tasks.celery_app import publish
-from dex_tasks.execution import Runtime
-from dex_tasks.routing import queue_for
+from dex_tasks.broker.celery_app import publish
+from dex_tasks.broker.routing import queue_for
 from dex_tasks.store import Store
-from dex_tasks.sweeps import JOBS, reap_expired_leases, republish_stranded, run_all, run_job
+from dex_tasks.worker import claims
+from dex_tasks.worker.execution import Runtime
+from dex_tasks.worker.sweeps import JOBS, reap_expired_leases, republish_stranded, run_all, run_job
 from tests.conftest import StartWorker
 from tests.helpers import (
     ROOT,
@@ -206,7 +206,7 @@ def test_lost_messages_are_republished_and_a_dead_claim_ends_did_not_run(
 ) -> None:
     # Given calls whose messages were lost: never published (the agent died after the insert)...
     with monkeypatch.context() as patch:
-        patch.setattr("dex_tasks.client.publish", lambda *_, **__: None)
+        patch.setattr("dex_tasks.agent.client.publish", lambda *_, **__: None)
         unsent_read = client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1",
                                        tool="lookup_order", arguments={"order_id": "1001"})
         unsent_charge = client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c2",
@@ -307,7 +307,7 @@ def test_sweeps_log_at_debug_unless_they_did_something(
     client: DexClient, rt: Runtime, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Given nothing to do: each sweep logs its run at DEBUG
-    caplog.set_level(logging.DEBUG, logger="dex_tasks.sweeps")
+    caplog.set_level(logging.DEBUG, logger="dex_tasks.worker.sweeps")
     run_all(rt)
     done = [r for r in caplog.records if r.getMessage() == "sweep done"]
     assert {r.job for r in done} == set(JOBS)  # type: ignore[attr-defined]

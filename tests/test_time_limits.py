@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dex_tasks import OUTCOME_UNKNOWN_TOOL_RESULT, CallStatus, DexClient, ToolCallRecord
-from dex_tasks.celery_app import publish
+from dex_tasks.broker.celery_app import publish
 from tests.conftest import StartWorker
 from tests.helpers import pid_alive, wait_until
 from workers import ledger

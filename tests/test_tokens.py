@@ -21,7 +21,7 @@ from dex_tasks import (
     tokens,
     verify_token,
 )
-from dex_tasks.cli import app as cli_app
+from dex_tasks.ops.cli import app as cli_app
 from tests.helpers import free_port, start_process
 
 SECRET = "a-long-test-secret-0123456789"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dex_tasks import OUTCOME_UNKNOWN_TOOL_RESULT, CallStatus, DexClient, EffectClass
-from dex_tasks.retry import after_transient_error
+from dex_tasks.worker.retry import after_transient_error
 from tests.conftest import StartWorker
 from workers import ledger
 

@@ -26,11 +26,10 @@ from dex_tasks import (
     InvalidArgumentError,
     MessageRole,
     ToolCallRecord,
-    approvals,
-    sweeps,
 )
-from dex_tasks.execution import Runtime
-from dex_tasks.store import MESSAGES
+from dex_tasks.store import MESSAGES, deadlines
+from dex_tasks.worker import sweeps
+from dex_tasks.worker.execution import Runtime
 from tests.conftest import StartWorker, fast_settings
 from tests.helpers import started_pid, tool_messages, user_messages, wait_until
 
@@ -84,7 +83,7 @@ def test_every_path_that_ends_a_call_writes_its_tool_message_once(
                                tool="refund_payment",
                                arguments={"charge_id": "ch_2", "amount_cents": 5},
                                approval_deadline=60)
-    assert approvals.expire_overdue(client.store, now=time.time() + 120) == 1
+    assert deadlines.expire_overdue(client.store, now=time.time() + 120) == 1
     ended[overdue.key] = "deadline"
     for key in (ok.key, bad.key, killed.key):
         client.wait(key, timeout=30)

@@ -32,7 +32,7 @@ def test_killed_child_mid_charge_ends_outcome_unknown_and_never_reruns(
     assert final.error is not None and final.error.startswith(OUTCOME_UNKNOWN_TOOL_RESULT)
     assert final.attempts == 1
     # A later duplicate message and a sweep change nothing.
-    from dex_tasks.celery_app import publish
+    from dex_tasks.broker.celery_app import publish
 
     publish(client.app, client.store.get_call(record.key))  # type: ignore[arg-type]
     probe = client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c2",

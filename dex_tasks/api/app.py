@@ -9,14 +9,14 @@ Routes (OpenAPI at ``/docs`` and ``/openapi.json``)::
     GET  /sessions/{session_id}/events       its transitions as Server-Sent Events
     GET  /sessions/{session_id}/approvals    the old page address: redirects, keeping ?token=
     GET  /healthz                            liveness and store reachability
-    GET  /metrics                            Prometheus metrics (dex_tasks.metrics)
+    GET  /metrics                            Prometheus metrics (dex_tasks.broker.metrics)
 
 Every session route needs a token for that session with the ``view`` permission; deciding needs
 ``operate``; the list of sessions needs an operator token (see ``dex_tasks.api.auth``). Each route
 checks the token before it reads anything of the request body, and no body may pass 64 KiB
 (``dex_tasks.api.limits``). Bad input gets 400 with an ``error`` text naming the field.
 
-The app owns one :class:`~dex_tasks.client.DexClient`, built from the settings it is given and
+The app owns one :class:`~dex_tasks.agent.client.DexClient`, built from the settings it is given and
 closed at shutdown; nothing below reads the environment.
 """
 
@@ -53,6 +53,7 @@ from fastapi.staticfiles import StaticFiles
 from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 
+from dex_tasks.agent.client import DexClient
 from dex_tasks.api.auth import (
     authenticate,
     authorize,
@@ -85,11 +86,10 @@ from dex_tasks.api.schemas import (
     parse_resolve_body,
     validation_error_body,
 )
-from dex_tasks.client import DexClient
+from dex_tasks.broker.metrics import metrics_redis, render_metrics
 from dex_tasks.errors import InvalidArgumentError, StoreUnavailableError
-from dex_tasks.metrics import metrics_redis, render_metrics
-from dex_tasks.records import AgentSnapshot
 from dex_tasks.settings import DexSettings
+from dex_tasks.store.records import AgentSnapshot
 from dex_tasks.tokens import OPERATE, VIEW, TokenClaims
 
 log = logging.getLogger(__name__)

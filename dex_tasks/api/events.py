@@ -2,9 +2,9 @@
 
 Each store event becomes one SSE message whose ``id:`` is the event's cursor, ``event:`` its
 name (``tool_call_requested``, ``tool_call_started``, ``tool_call_finished`` ...) and ``data:``
-the :class:`~dex_tasks.records.CallEvent` as JSON. A client that reconnects sends the last id it
-saw as ``Last-Event-ID`` (browsers do this by themselves) and the stream resumes after it, so a
-dropped connection loses nothing.
+the :class:`~dex_tasks.store.records.CallEvent` as JSON. A client that reconnects sends the last
+id it saw as ``Last-Event-ID`` (browsers do this by themselves) and the stream resumes after it,
+so a dropped connection loses nothing.
 
 The store is the only source: the stream polls it every ``poll_seconds`` (one indexed range read
 on ``(session_id, id)``), which works the same with any number of API processes and needs no
@@ -21,8 +21,8 @@ from collections.abc import AsyncIterator
 import anyio
 from fastapi import Request
 
-from dex_tasks.client import DexClient
-from dex_tasks.records import CallEvent
+from dex_tasks.agent.client import DexClient
+from dex_tasks.store.records import CallEvent
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Build the first release's tables the way that release did: ``create_all`` of its models.
 
-``models_c28862d.py`` is that release's ``dex_tasks/models.py`` (commit c28862d), unchanged.
+``models_c28862d.py`` is that release's ``dex_tasks/store/models.py`` (commit c28862d), unchanged.
 Run as a script, in a process of its own, so its tables never meet today's in one metadata:
 
     python tests/legacy/create_c28862d.py DATABASE_URL

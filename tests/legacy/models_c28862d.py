@@ -1,4 +1,4 @@
-# The first release's dex_tasks/models.py (commit c28862d), kept unchanged below this line.
+# The first release's dex_tasks/store/models.py (commit c28862d), kept unchanged below this line.
 """SQLModel tables: the store's schema.
 
 Timestamps are stored as UTC epoch seconds (floats): they compare and index the same way on

@@ -1,0 +1,210 @@
+"""From a tool-call request to a new call's row: ids, arguments, policy snapshot, approval.
+
+Shared by ``DexClient.call_tool`` (one call) and ``DexClient.call_tools`` (a turn's calls at
+once), so both refuse the same input with the same errors and store the same rows. Nothing
+here writes or sends anything.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dex_tasks.errors import ConflictError, InvalidCallError
+from dex_tasks.limits import (
+    KEY_MAX,
+    SESSION_ID_MAX,
+    TOOL_CALL_ID_MAX,
+    TOOL_NAME_MAX,
+    TURN_ID_MAX,
+    check_id,
+)
+from dex_tasks.policy import EffectClass, ToolPolicy, parse_effect, resolve_policy
+from dex_tasks.registry import InvalidArguments, canonical_json
+from dex_tasks.states import CallStatus
+from dex_tasks.store.catalog import ToolInfo
+from dex_tasks.store.records import ToolCallRecord
+from dex_tasks.store.sqljson import same_json
+
+
+def idempotency_key(session_id: str, turn_id: str, tool_call_id: str) -> str:
+    """``session/turn/call``: the call's identity, the same for every attempt.
+
+    Raises :class:`InvalidCallError` naming the field (and the limit) for an id that is empty,
+    too long, holds ``/``, a NUL byte or a lone surrogate, and for a key over the limit.
+    """
+    for field, value, limit in (("session_id", session_id, SESSION_ID_MAX),
+                                ("turn_id", turn_id, TURN_ID_MAX),
+                                ("tool_call_id", tool_call_id, TOOL_CALL_ID_MAX)):
+        check_id(field, value, limit, slash=False, error=InvalidCallError)
+    key = f"{session_id}/{turn_id}/{tool_call_id}"
+    if len(key) > KEY_MAX:
+        raise InvalidCallError(
+            f"the idempotency key session_id/turn_id/tool_call_id must be at most {KEY_MAX} "
+            f"characters, got {len(key)}: shorten the ids"
+        )
+    return key
+
+
+class ToolCallRequest(BaseModel):
+    """One tool call a model requested in a turn: an item of ``call_tools([...])``.
+
+    The session and turn are the batch's (``call_tools(..., session_id=, turn_id=)``); a plain
+    dict with these keys is accepted as well.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tool_call_id: str
+    """The model's id of this call (unique within the turn)."""
+    tool: str
+    """The tool's name."""
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    """The call's JSON arguments."""
+
+
+def checked_arguments(arguments: Mapping[str, Any] | None) -> tuple[dict[str, Any], str]:
+    """The arguments as a dict and as the canonical JSON the store keeps (and compares).
+
+    :class:`InvalidCallError` for anything but a JSON object of JSON values (NaN included).
+    """
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, Mapping):
+        raise InvalidCallError(f"arguments must be a JSON object, got {type(arguments).__name__}")
+    plain = dict(arguments)
+    try:
+        return plain, canonical_json(plain)
+    except ValueError as err:
+        raise InvalidCallError(str(err)) from None
+
+
+def check_tool_name(tool: str) -> str:
+    """``tool`` if it is a name the store can hold; :class:`InvalidCallError` otherwise."""
+    return check_id("tool", tool, TOOL_NAME_MAX, error=InvalidCallError)
+
+
+@dataclass(frozen=True)
+class NewCall:
+    """A call ready to insert: its row, its interrupt if it waits for approval, and the reason
+    its arguments were refused (it is then stored and ended "did not run" at once)."""
+
+    key: str
+    tool: str
+    args_json: str
+    row: dict[str, Any]
+    interrupt: dict[str, Any] | None
+    invalid: str | None
+
+    @property
+    def sends_message(self) -> bool:
+        """Whether a worker must get a message for it (queued, arguments valid)."""
+        return self.invalid is None and self.row["status"] == CallStatus.QUEUED.value
+
+
+def new_call(
+    key: str, session_id: str, turn_id: str, tool_call_id: str, tool: str,
+    arguments: dict[str, Any], args_json: str, info: ToolInfo, *,
+    default_effect: EffectClass | str | None, approval_deadline: float | None,
+    expires_in: float | None, default_max_attempts: int, now: float | None = None,
+) -> NewCall:
+    """Resolve the call's policy and build its row (and interrupt), as ``call_tool`` stores it.
+
+    Arguments are checked here when the tool's code is in this process, and against the schema
+    the workers published when a person would otherwise be asked to approve arguments the tool
+    refuses. (Other calls are checked by the worker: the published schema is stricter than the
+    signature's coercions, "5" for an int for instance.)
+    """
+    policy = resolve_policy(info.policy, info.hints, default_effect)
+    invalid: str | None = None
+    if info.local is not None or policy.needs_approval:
+        try:
+            info.validate(arguments)
+        except InvalidArguments as err:
+            invalid = str(err)
+    row, interrupt = _rows(key, session_id, turn_id, tool_call_id, tool, args_json, policy,
+                           approval_deadline=approval_deadline, expires_in=expires_in,
+                           hold=policy.needs_approval and invalid is None,
+                           default_max_attempts=default_max_attempts,
+                           now=time.time() if now is None else now)
+    return NewCall(key, tool, args_json, row, interrupt, invalid)
+
+
+def _rows(
+    key: str, session_id: str, turn_id: str, tool_call_id: str, tool: str, args_json: str,
+    policy: ToolPolicy, *, approval_deadline: float | None, expires_in: float | None,
+    hold: bool, default_max_attempts: int, now: float,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    interrupt = None
+    interrupt_id = None
+    if hold:
+        interrupt_id = uuid.uuid4().hex
+        deadline = approval_deadline or policy.approval_deadline
+        interrupt = {
+            "interrupt_id": interrupt_id,
+            "key": key,
+            "session_id": session_id,
+            "deadline_at": now + deadline if deadline else None,
+            "created_at": now,
+        }
+    row = {
+        "key": key,
+        "session_id": session_id,
+        "turn_id": turn_id,
+        "tool_call_id": tool_call_id,
+        "tool": tool,
+        "arguments": args_json,
+        "effect": policy.effect.value,
+        "requires_approval": policy.needs_approval,
+        "max_attempts": policy.attempts(default_max_attempts),
+        "time_limit": policy.time_limit,
+        "status": (CallStatus.AWAITING_APPROVAL if hold else CallStatus.QUEUED).value,
+        "attempts": 0,
+        "interrupt_id": interrupt_id,
+        # Set before the publish so the republisher leaves a call being published alone.
+        "published_at": None if hold else now,
+        "expires_at": now + expires_in if expires_in else None,
+        "created_at": now,
+        "updated_at": now,
+    }
+    return row, interrupt
+
+
+def request_options(
+    default_effect: EffectClass | str | None, approval_deadline: float | None,
+    expires_in: float | None,
+) -> dict[str, Any]:
+    """The options of a request besides its tool and arguments, as the store keeps them.
+
+    A repeated request must repeat them: the same key with another session default, approval
+    deadline or queue expiry is another request, not a retry of this one (see
+    :func:`same_call`). Durations are the seconds ``policy.seconds`` made of them.
+    """
+    return {
+        "default_effect": None if default_effect is None else parse_effect(default_effect).value,
+        "approval_deadline": approval_deadline,
+        "expires_in": expires_in,
+    }
+
+
+def same_call(existing: Any, tool: str, args_json: str, options: Mapping[str, Any] | None = None,
+              stored_options: Mapping[str, Any] | None = None) -> ToolCallRecord:
+    """The record of a repeated request; :class:`ConflictError` naming what differs if the
+    call stored under that key has another tool, other arguments, or other options
+    (``default_effect``, ``approval_deadline``, ``expires_in``). Options are compared only
+    when the stored call kept them (calls recorded by an older release did not)."""
+    if existing.tool != tool:
+        raise ConflictError(existing.key, "tool")
+    # By value: PostgreSQL's jsonb hands back its own spelling of the stored arguments.
+    if not same_json(existing.arguments, args_json):
+        raise ConflictError(existing.key, "arguments")
+    if options is not None and stored_options is not None:
+        for name in ("default_effect", "approval_deadline", "expires_in"):
+            if options.get(name) != stored_options.get(name):
+                raise ConflictError(existing.key, name)
+    return ToolCallRecord.from_row(existing)

@@ -1,0 +1,459 @@
+"""DexClient: what an agent process uses to run tool calls and read their records."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any, cast
+
+from celery import Celery
+from pydantic import ValidationError
+from sqlalchemy.engine import Connection
+
+from dex_tasks.agent import approvals
+from dex_tasks.agent.calls import (
+    NewCall,
+    ToolCallRequest,
+    check_tool_name,
+    checked_arguments,
+    idempotency_key,
+    new_call,
+    request_options,
+    same_call,
+)
+from dex_tasks.broker import notify
+from dex_tasks.broker.celery_app import create_app, publish, publish_many
+from dex_tasks.broker.redis_clients import connector
+from dex_tasks.errors import (
+    CallNotFoundError,
+    InvalidCallError,
+    StoreUnavailableError,
+    UnknownToolError,
+)
+from dex_tasks.policy import EffectClass, seconds
+from dex_tasks.settings import DexSettings
+from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
+from dex_tasks.store import Store, catalog, transcript
+from dex_tasks.store.catalog import ToolSpec
+from dex_tasks.store.models import ToolCallRow
+from dex_tasks.store.records import AgentSnapshot, CallEvent, SessionMessage, ToolCallRecord
+
+# Columns a new call's row leaves at their defaults (see calls.new_call).
+_UNSET_COLUMNS: dict[str, Any] = {
+    "result": None, "error": None, "finished_at": None, "worker": None,
+    "lease_expires_at": None, "prev_status": None, "republishes": 0,
+}
+
+# How wait polls the store while notifications cannot reach it (the watcher is not connected):
+# the first pause, doubled up to the last.
+FAST_POLL_FIRST = 0.005
+FAST_POLL_MAX = 0.2
+
+# call_tools: how often a batch is tried again when a concurrent request inserted one of its
+# keys between the read and the insert (the second try sees that call and returns it).
+_INSERT_TRIES = 3
+
+
+__all__ = ["DexClient", "InvalidCallError", "ToolCallRequest", "idempotency_key"]
+
+
+class DexClient:
+    """Runs tool calls through Celery and reads their records from the store."""
+
+    def __init__(self, settings: DexSettings | None = None, *, create_tables: bool = True) -> None:
+        self.settings = settings or DexSettings()
+        # An agent process idles between turns, and the server (or a proxy) may close its
+        # pooled connections meanwhile: one that sat idle a second is tested before use. The
+        # ping's round trip is nothing next to a second of idling, and none is made under load.
+        self.store = Store(self.settings.database_url,
+                           retry_seconds=self.settings.store_retry_seconds, ping_after_idle=1.0)
+        if create_tables:
+            try:
+                self.store.create_all()
+            except BaseException:
+                # A schema of another release (SchemaOutOfDateError): no connection left open.
+                self.store.close()
+                raise
+        # Calls this client ends (a rejection, invalid arguments, a failed publish) wake their
+        # waiters and are counted like the ones workers end.
+        self._notifier = notify.install(self.store, self.settings.redis_url,
+                                        connector(self.settings))
+        self._watcher: notify.CallWatcher | None = None
+        self._app: Celery | None = None
+        self._catalog_cache: dict[str, tuple[float, catalog.ToolInfo]] = {}
+
+    @classmethod
+    def from_env(cls) -> DexClient:
+        """A client configured from the ``DEX_*`` environment variables."""
+        return cls(DexSettings())
+
+    @property
+    def app(self) -> Celery:
+        """The Celery app used to publish (created on first use)."""
+        if self._app is None:
+            self._app = create_app(self.settings, publisher=True)
+        return self._app
+
+    @property
+    def watcher(self) -> notify.CallWatcher:
+        """The Redis subscription ``wait`` is woken through (started on first use)."""
+        if self._watcher is None:
+            self._watcher = notify.CallWatcher(connector(self.settings))
+        return self._watcher
+
+    def close(self) -> None:
+        """Release broker, Redis and database connections."""
+        if self._watcher is not None:
+            self._watcher.close()
+        if self._app is not None:
+            self._app.close()
+        self._notifier.close()
+        self.store.close()
+
+    def __enter__(self) -> DexClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # -- calls ----------------------------------------------------------------------------------
+
+    def call_tool(
+        self,
+        *,
+        session_id: str,
+        turn_id: str,
+        tool_call_id: str,
+        tool: str,
+        arguments: Mapping[str, Any] | None = None,
+        default_effect: EffectClass | str | None = None,
+        approval_deadline: float | timedelta | None = None,
+        expires_in: float | timedelta | None = None,
+    ) -> ToolCallRecord:
+        """Record a tool call and start it (or hold it for approval); returns its record.
+
+        Calling again with the same ids returns the same record without running anything; the
+        same ids with another tool or other arguments raise :class:`ConflictError`.
+        ``default_effect`` is the session's default, used when the tool has neither a policy
+        nor MCP hints. ``approval_deadline`` overrides the policy's (seconds from now);
+        ``expires_in`` bounds how long the call may wait in the queue before it fails as
+        "did not run".
+        """
+        key = idempotency_key(session_id, turn_id, tool_call_id)
+        check_tool_name(tool)
+        plain, args_json = checked_arguments(arguments)
+        deadline = seconds(approval_deadline, "approval_deadline")
+        expires = seconds(expires_in, "expires_in")
+        options = request_options(default_effect, deadline, expires)
+        try:
+            info = self._lookup(tool)
+        except UnknownToolError:
+            # The tool may be gone since the call was made: a repeat still gets its record.
+            existing = self.store.get_call(key)
+            if existing is None:
+                raise
+            return self._repeat(existing, tool, args_json, options)
+        call = new_call(
+            key, session_id, turn_id, tool_call_id, tool, plain, args_json, info,
+            default_effect=default_effect, approval_deadline=deadline, expires_in=expires,
+            default_max_attempts=self.settings.default_max_attempts,
+        )
+        # Insert first, read only on conflict: a new call costs one write transaction, and a
+        # repeated key is told apart by the primary key, not by a read that could race.
+        if not self.store.insert_call(call.row, call.interrupt, requested=options):
+            existing = self.store.get_call(key)
+            assert existing is not None
+            return self._repeat(existing, tool, args_json, options)
+
+        if call.invalid is not None:
+            self.store.transition(key, CallStatus.FAILED, allowed={CallStatus.QUEUED},
+                                  values={"error": f"{TOOL_DID_NOT_RUN}: {call.invalid}"},
+                                  detail={"reason": "invalid_arguments"})
+            return self.get_tool_call(key)
+        view = _inserted(call)
+        if call.sends_message and not self._publish_new([view]):
+            return self.get_tool_call(key)
+        # The record as inserted: a worker may already have moved it on, which the next read
+        # (get_tool_call, wait) shows.
+        return ToolCallRecord.from_row(view)
+
+    def call_tools(
+        self,
+        calls: Sequence[ToolCallRequest | Mapping[str, Any]],
+        *,
+        session_id: str,
+        turn_id: str,
+        default_effect: EffectClass | str | None = None,
+        approval_deadline: float | timedelta | None = None,
+        expires_in: float | timedelta | None = None,
+    ) -> list[ToolCallRecord]:
+        """Record a turn's parallel tool calls in one transaction and start them with one Redis
+        round trip; returns their records in the order given.
+
+        ``calls`` are :class:`ToolCallRequest` items (or dicts with ``tool_call_id``, ``tool``
+        and ``arguments``); the other arguments are shared by all of them and mean what they
+        mean for :meth:`call_tool`. Each call follows :meth:`call_tool`'s rules: a repeat (same
+        ids, tool and arguments) returns its stored record without running anything, a call
+        that needs approval waits for it, invalid arguments end it "did not run".
+
+        All or nothing: every request is checked before anything is written. A malformed
+        request (:class:`InvalidCallError` naming ``calls[i]`` and the field), a tool_call_id
+        given twice, an unknown tool, or a repeat whose tool or arguments differ from the
+        stored call's (:class:`ConflictError`) raises, and then no call of the batch is
+        recorded or sent. If the broker cannot be reached, the calls that were to start end
+        "did not run" (those a worker received anyway run: the store's compare-and-set
+        decides, as for :meth:`call_tool`).
+        """
+        requests = _requests(calls)
+        deadline = seconds(approval_deadline, "approval_deadline")
+        expires = seconds(expires_in, "expires_in")
+        options = request_options(default_effect, deadline, expires)
+        checked: list[tuple[str, ToolCallRequest, dict[str, Any], str]] = []
+        seen: dict[str, int] = {}
+        for i, request in enumerate(requests):
+            try:
+                key = idempotency_key(session_id, turn_id, request.tool_call_id)
+                check_tool_name(request.tool)
+                plain, args_json = checked_arguments(request.arguments)
+            except InvalidCallError as err:
+                raise InvalidCallError(f"calls[{i}]: {err}") from None
+            if key in seen:
+                raise InvalidCallError(
+                    f"calls[{i}]: tool_call_id {request.tool_call_id!r} is already used by "
+                    f"calls[{seen[key]}] of this batch")
+            seen[key] = i
+            checked.append((key, request, plain, args_json))
+
+        for _ in range(_INSERT_TRIES):
+            existing = self.store.get_calls([key for key, *_ in checked])
+            stored_options = self.store.requested_options(list(existing))
+            new: list[NewCall] = []
+            for key, request, plain, args_json in checked:
+                if key in existing:
+                    same_call(existing[key], request.tool, args_json,  # ConflictError
+                              options, stored_options.get(key))
+                    continue
+                new.append(new_call(
+                    key, session_id, turn_id, request.tool_call_id, request.tool, plain,
+                    args_json, self._lookup(request.tool),  # UnknownToolError
+                    default_effect=default_effect, approval_deadline=deadline,
+                    expires_in=expires, default_max_attempts=self.settings.default_max_attempts,
+                ))
+            if self.store.insert_calls([c.row for c in new],
+                                       [c.interrupt for c in new if c.interrupt is not None],
+                                       requested=options, then=self._end_invalid(new)):
+                break
+        else:
+            raise StoreUnavailableError(
+                f"the calls of turn {turn_id!r} kept colliding with concurrent requests for "
+                f"the same ids; nothing of this batch was recorded")
+
+        views = {c.key: _inserted(c) for c in new}
+        to_send = [views[c.key] for c in new if c.sends_message]
+        reread = {c.key for c in new if c.invalid is not None}
+        if to_send and not self._publish_new(to_send):
+            reread |= {call.key for call in to_send}
+        fresh = self.store.get_calls(sorted(reread)) if reread else {}
+        records: list[ToolCallRecord] = []
+        for key, *_ in checked:
+            row = fresh.get(key) or existing.get(key) or views[key]
+            records.append(ToolCallRecord.from_row(row))
+        return records
+
+    def list_tools(self, default_effect: EffectClass | str | None = None) -> list[ToolSpec]:
+        """Every tool the workers published (and any registered in this process), by name:
+        each one's ``name``, ``description`` (its docstring), ``parameters`` (the JSON schema
+        of its arguments) and the ``policy`` a call made now would get, given the session's
+        ``default_effect``. What framework adapters build their tools from."""
+        return catalog.list_specs(self.store, default_effect)
+
+    def refresh_catalog(self) -> None:
+        """Forget cached catalog entries: the next call of each tool reads the catalog."""
+        self._catalog_cache.clear()
+
+    def _lookup(self, tool: str) -> catalog.ToolInfo:
+        """The tool's catalog entry, cached for ``catalog_cache_seconds``.
+
+        Workers publish the catalog when they start, so a policy change reaches callers
+        within that many seconds; each call still stores the policy it was made under.
+        """
+        ttl = self.settings.catalog_cache_seconds
+        cached = self._catalog_cache.get(tool)
+        now = time.monotonic()
+        if cached is not None and now - cached[0] < ttl:
+            return cached[1]
+        info = catalog.lookup(self.store, tool)
+        if info.local is None and ttl > 0:
+            self._catalog_cache[tool] = (now, info)
+        return info
+
+    def _publish_new(self, calls: Sequence[ToolCallRow]) -> bool:
+        """Publish new calls (several in one Redis round trip); on failure end them "did not
+        run" (in one transaction) and return False."""
+        try:
+            if len(calls) == 1:
+                publish(self.app, calls[0])
+            else:
+                publish_many(self.app, calls)
+            return True
+        except Exception as err:  # noqa: BLE001 - any publish failure means no worker got it
+            # If a message did get through after all, the worker's claim and this
+            # compare-and-set race: exactly one wins, and the record says which.
+            error = (f"{TOOL_DID_NOT_RUN}: the broker could not be reached "
+                     f"({type(err).__name__}: {err})")
+            with self.store.write() as conn:
+                for call in calls:
+                    self.store.transition(
+                        call.key, CallStatus.FAILED, allowed={CallStatus.QUEUED},
+                        values={"error": error}, detail={"reason": "broker_unreachable"},
+                        conn=conn,
+                    )
+            return False
+
+    def _end_invalid(self, calls: Sequence[NewCall]) -> Callable[[Connection], None]:
+        """What ``insert_calls`` runs in its transaction: end the calls whose arguments were
+        refused "did not run", as ``call_tool`` does (there in a transaction of its own)."""
+
+        def end(conn: Connection) -> None:
+            for call in calls:
+                if call.invalid is not None:
+                    self.store.transition(
+                        call.key, CallStatus.FAILED, allowed={CallStatus.QUEUED},
+                        values={"error": f"{TOOL_DID_NOT_RUN}: {call.invalid}"},
+                        detail={"reason": "invalid_arguments"}, conn=conn,
+                    )
+
+        return end
+
+    def _repeat(self, existing: ToolCallRow, tool: str, args_json: str,
+                options: dict[str, Any]) -> ToolCallRecord:
+        """The stored record of a repeated request, or :class:`ConflictError` naming what the
+        request changed (the stored options are read only here, on the repeat path)."""
+        stored = self.store.requested_options([existing.key]).get(existing.key)
+        return same_call(existing, tool, args_json, options, stored)
+
+    def get_tool_call(self, key: str) -> ToolCallRecord:
+        """The call's record; :class:`CallNotFoundError` if no call has that key."""
+        row = self.store.get_call(key)
+        if row is None:
+            raise CallNotFoundError(key)
+        return ToolCallRecord.from_row(row)
+
+    def wait(self, key: str, timeout: float = 30.0) -> ToolCallRecord:
+        """Block until the call is terminal and return it; ``TimeoutError`` after ``timeout``.
+
+        Woken by the Redis notification sent when the call ends (see ``notify.py``), so the
+        record is in hand about as soon as it is stored. The store is read on every wake-up,
+        and every ``wait_poll_seconds`` regardless, in case a notification was lost; while
+        Redis cannot be reached it is read every 5 ms, doubling up to 200 ms.
+        """
+        deadline = time.monotonic() + timeout
+        record = self.get_tool_call(key)
+        if record.terminal:
+            return record
+        fast = FAST_POLL_FIRST
+        with self.watcher.watch(key) as watch:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"call {key!r} is still {record.status.value} after {timeout}s"
+                    )
+                pause, fast = next_pause(watch.live, fast, self.settings.wait_poll_seconds)
+                watch.wait(min(pause, remaining))
+                record = self.get_tool_call(key)
+                if record.terminal:
+                    return record
+
+    def get_agent_snapshot(self, session_id: str) -> AgentSnapshot:
+        """The session as one consistent read: ``.tool_calls``, ``.messages`` (the transcript:
+        user, assistant and tool messages, oldest first), ``.pending_interrupts`` (approvals
+        waiting, deadline not passed) and ``.decided`` (who decided each past approval, when,
+        and why)."""
+        return approvals.session_snapshot(self.store, session_id)
+
+    # -- approvals and messages -----------------------------------------------------------------
+
+    def resolve_interrupt(
+        self,
+        session_id: str,
+        interrupt_id: str,
+        approved: bool,
+        rejection_message: str | None = None,
+        approver: str | None = None,
+    ) -> bool:
+        """Approve or reject a pending call; True if this call decided, False otherwise.
+
+        The first decision wins; a later one, one after the deadline, or one for an unknown
+        interrupt or another session returns False and changes nothing (safe to retry).
+        Approving runs the call; rejecting ends it ``rejected`` with ``rejection_message`` in
+        its error, where the model reads it.
+        """
+        return approvals.resolve_interrupt(
+            self.store, self.app, session_id, interrupt_id, approved,
+            rejection_message=rejection_message, approver=approver,
+        )
+
+    def send_user_message(self, session_id: str, text: str) -> bool:
+        """Send a user message into the session's transcript; True once it is stored.
+
+        The message is ``delivered`` at once if no turn of the session is open; otherwise it is
+        ``queued`` until every call of the open turn(s) has ended (the snapshot shows which).
+        False only for a report of an unknown outcome (a text ending in ``(tool call <key>)``
+        that names an ``outcome_unknown`` call of this session) when a user message of the
+        session already names that key: each call is reported once, whoever sends it.
+        """
+        return transcript.send_user_message(self.store, session_id, text) is not None
+
+    def add_assistant_message(self, session_id: str, turn_id: str, text: str) -> SessionMessage:
+        """Record the model's own text of turn ``turn_id`` in the session's transcript.
+
+        The transcript (``get_agent_snapshot(...).messages``) then holds the whole
+        conversation: user messages, the model's text, and each call's tool message. Returns
+        the stored message; :class:`InvalidArgumentError` names a malformed argument.
+        """
+        return transcript.add_assistant_message(self.store, session_id, turn_id, text)
+
+    def events(self, session_id: str, after: int = 0) -> list[CallEvent]:
+        """The session's events after cursor ``after`` (an event's ``id``)."""
+        return [CallEvent.from_row(r) for r in self.store.events(session_id, after)]
+
+
+
+
+def next_pause(live: bool, fast: float, poll_seconds: float) -> tuple[float, float]:
+    """How long a waiter sleeps before it reads the store again (unless woken), and the fast
+    pause after that: ``poll_seconds`` while notifications can arrive, else 5 ms doubling up
+    to 200 ms."""
+    if live:
+        return poll_seconds, FAST_POLL_FIRST
+    return fast, min(fast * 2, FAST_POLL_MAX)
+
+
+def _inserted(call: NewCall) -> ToolCallRow:
+    # A read-only view of the row just inserted: building a SQLModel table instance costs about
+    # half a millisecond, a quarter of a whole call_tool.
+    return cast(ToolCallRow, SimpleNamespace(**_UNSET_COLUMNS, **call.row))
+
+
+def _requests(calls: Sequence[ToolCallRequest | Mapping[str, Any]]) -> list[ToolCallRequest]:
+    """``calls`` as :class:`ToolCallRequest` items; :class:`InvalidCallError` names the first
+    malformed one (``calls[i].field``)."""
+    if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
+        raise InvalidCallError(
+            f"calls must be a list of tool call requests, got {type(calls).__name__}")
+    out: list[ToolCallRequest] = []
+    for i, item in enumerate(calls):
+        if isinstance(item, ToolCallRequest):
+            out.append(item)
+            continue
+        try:
+            out.append(ToolCallRequest.model_validate(item))
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise InvalidCallError(
+                f"calls[{i}]{'.' + where if where else ''}: {first['msg']}") from None
+    return out

@@ -1,0 +1,180 @@
+"""The Celery app's configuration: JSON only, the queues, no result backend, and publishing.
+
+This module knows no task bodies: an app built here can send calls (``DexClient``, beat, the
+sweeps) but runs nothing. The worker registers the task kinds on its own app where it is built
+(``main_process.worker_app``), so the layers stay one-way: configuration below execution.
+
+The message of a call carries its idempotency key and nothing else: the store holds the
+arguments, the policy snapshot and the status, so a message can be republished at any time and
+a stale or duplicate one can do no harm.
+
+Each call goes to its tool's queue (``routing.queue_for``); a worker consumes the queues of the
+tools it serves. The one periodic job that needs tool code (``reconcile_unknown``, the tools'
+own checkers) goes to the workers on a queue of its own; beat runs every other sweep itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from celery import Celery
+from kombu.entity import Exchange, Queue
+
+from dex_tasks.broker.redis_clients import broker_options
+from dex_tasks.broker.routing import queue_for
+from dex_tasks.policy import EffectClass
+from dex_tasks.settings import DexSettings
+from dex_tasks.store.models import ToolCallRow
+
+# The workers' sweep job (reconcile_unknown), on a queue every worker consumes.
+RECONCILE_QUEUE = "dex.reconcile"
+RUN_RETRYING = "dex.call_tool"
+RUN_SINGLE_ATTEMPT = "dex.call_single_attempt_tool"
+SWEEP = "dex.sweep"
+
+
+def create_app(settings: DexSettings, *, publisher: bool = False) -> Celery:
+    """A Celery app configured for dex-tasks; it sends tasks by name and registers none.
+
+    ``publisher`` is for apps that only send calls (``DexClient``): they use a transport that
+    reuses its Redis client per channel (see ``transport.py``).
+    """
+    # Sentinel and TLS: the same parsing as every other Redis client (see redis_clients.py).
+    broker = broker_options(settings, publisher=publisher)
+    app = Celery("dex_tasks", broker=settings.redis_url, set_as_current=False)
+    transport = {
+        "visibility_timeout": settings.visibility_timeout_seconds,
+        "socket_connect_timeout": settings.publish_timeout_seconds,
+        "socket_timeout": max(5.0, settings.publish_timeout_seconds),
+        "socket_keepalive": True,
+        "health_check_interval": 10,
+        **broker.pop("broker_transport_options"),
+    }
+    app.conf.update(
+        # Never pickle: write access to the broker plus pickle is remote code execution.
+        task_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        result_serializer="json",
+        # The store is the record of every call; a result backend would be a second one.
+        result_backend=None,
+        task_ignore_result=True,
+        task_store_errors_even_if_ignored=False,
+        # Calls name their tool's queue when published (publish()); nothing else is sent but
+        # the reconcile job. A worker's own list of queues is set where it is built
+        # (main_process.worker_app).
+        task_default_queue=RECONCILE_QUEUE,
+        task_queues=[_queue(RECONCILE_QUEUE)],
+        task_routes={SWEEP: {"queue": RECONCILE_QUEUE}},
+        # A worker takes a message only when a pool slot is free (Redis only, Celery 5.6+).
+        # A message it had fetched ahead would wait behind its busy (or hung) slots while
+        # other workers idle, and would go down with it if it died: SIGKILL runs no hook, so
+        # only the visibility timeout (an hour) would hand it back.
+        worker_prefetch_multiplier=1,
+        worker_disable_prefetch=True,
+        broker_transport_options=transport,
+        broker_connection_retry_on_startup=True,
+        # Workers keep reconnecting through a long Redis outage instead of exiting after
+        # about 100 tries; publishing has its own short retry policy (see publish()).
+        broker_connection_max_retries=None,
+        # Survives Redis going away while messages are unacked (see DexConsumer).
+        worker_consumer="dex_tasks.worker.main_process:DexConsumer",
+        broker_connection_timeout=settings.publish_timeout_seconds,
+        broker_pool_limit=10,
+        worker_hijack_root_logger=False,
+        # Task events from the workers (received, started, succeeded, failed, retried), so
+        # that Flower and `celery events` work with no extra flag. The sweep task opts out
+        # (main_process.register_tasks), so beat's sweeps do not crowd their task lists.
+        worker_send_task_events=True,
+        # No task-sent events: Celery puts the registered name in them, not the shadow name
+        # that says which tool a message runs, and its event state lets a sent event that
+        # arrives after the worker's events (always for a retry's message, which the child
+        # sends while the worker is already reporting) overwrite the task's name, so Flower
+        # would list "dex.call_tool" instead of "dex.call_tool[lookup_order]". Flower lists a
+        # call from the moment a worker receives it, and shows queue lengths on its Broker page.
+        task_send_sent_event=False,
+        enable_utc=True,
+        **broker,
+    )
+    app.dex_settings = settings  # type: ignore[attr-defined]
+    return app
+
+
+def consume_queues(app: Celery, tools: Iterable[str]) -> list[str]:
+    """Make ``app`` (a worker's) consume the queues of ``tools`` and the reconcile queue.
+
+    Set here rather than with ``-Q``, which splits on commas (a tool name may hold one).
+    Returns the queue names.
+    """
+    names = [*sorted({queue_for(name) for name in tools}), RECONCILE_QUEUE]
+    app.conf.task_queues = [_queue(name) for name in names]
+    return names
+
+
+def _queue(name: str) -> Queue:
+    # Bound to an exchange of its own name with its name as the key, as the publisher's
+    # send_task(queue=name) declares it. A bare Queue(name) would be bound to the default
+    # exchange (dex.reconcile) with the default key: every message sent there (beat's
+    # reconcile job) would then be copied into every tool queue as well.
+    return Queue(name, Exchange(name, type="direct"), routing_key=name)  # type: ignore[no-untyped-call]
+
+
+def task_name_for(effect: EffectClass) -> str:
+    """The task kind that runs calls of this effect class."""
+    return RUN_RETRYING if effect.retrying else RUN_SINGLE_ATTEMPT
+
+
+def publish(app: Celery, call: ToolCallRow, *, countdown: float | None = None,
+            producer: Any = None) -> None:
+    """Send the message that makes a worker run ``call``. Raises if the broker is unreachable.
+
+    Retries the connection briefly and then gives up, so ``call_tool`` never hangs on a dead
+    broker: the caller turns the error into a "did not run" record or leaves the call to the
+    republisher. ``producer``: a kombu producer to send with (``publish_many`` passes one that
+    is batching).
+    """
+    settings: DexSettings = app.dex_settings  # type: ignore[attr-defined]
+    effect = EffectClass(call.effect)
+    name = task_name_for(effect)
+    options: dict[str, Any] = {
+        "queue": queue_for(call.tool),
+        "retry": True,
+        "retry_policy": {
+            "max_retries": 1,
+            "interval_start": 0,
+            "interval_step": settings.publish_timeout_seconds / 4,
+            "interval_max": settings.publish_timeout_seconds / 4,
+        },
+        # Shown by Flower and worker logs instead of the generic task name.
+        "shadow": f"{name}[{call.tool}]",
+    }
+    if countdown:
+        options["countdown"] = countdown
+    if call.expires_at is not None:
+        options["expires"] = datetime.fromtimestamp(call.expires_at, tz=UTC)
+    if call.time_limit:
+        options["time_limit"] = call.time_limit
+        options["soft_time_limit"] = soft_limit(call.time_limit)
+    app.send_task(name, args=[call.key], producer=producer, **options)
+
+
+def publish_many(app: Celery, calls: Sequence[ToolCallRow]) -> None:
+    """Send the messages of ``calls`` in one Redis round trip; raises if that failed.
+
+    kombu's publish batch (``Producer.batch``, kombu 5.7) buffers the messages' ``LPUSH``
+    commands and sends them as one pipeline when the batch ends. A batch that fails leaves it
+    unknown which messages Redis took, like a publish whose reply was lost: the caller ends
+    the calls "did not run" with a compare-and-set, which loses to a worker's claim.
+    """
+    with app.producer_or_acquire() as producer:
+        # Room for every command in one flush (kombu would flush a full batch early).
+        with producer.batch(max_size=max(16, 4 * len(calls))):
+            for call in calls:
+                publish(app, call, producer=producer)
+
+
+def soft_limit(time_limit: float) -> float:
+    """When the tool is warned (``SoftTimeLimitExceeded``) before the hard kill at the limit."""
+    return max(time_limit * 0.8, time_limit - 5.0)

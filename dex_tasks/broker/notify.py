@@ -1,0 +1,384 @@
+"""Notifications when calls end: waiters wake at once instead of polling the store.
+
+Two sides, both on Redis pub/sub, one channel per call (``dex:ended:<key>``):
+
+* **Sending** (:class:`EndedNotifier`): a hook on the store (``Store.on_calls_ended``) that
+  runs after every commit that ended calls, whoever committed it: a worker finishing a tool,
+  the main process recording a lost child, a sweep reaping, expiring or failing calls, a
+  client rejecting one or ending it "did not run". In one Redis round trip it publishes each
+  call's new status on its channel and counts the call for ``/metrics``
+  (:func:`metrics.count_ended`). Wired by :func:`install` wherever a store that ends calls is
+  built (``execution.Runtime``, ``DexClient``). Redis being down never fails or holds up the
+  transition: the hook logs once, stays quiet for a second, and waiters fall back to polling.
+* **Waiting** (:class:`CallWatcher`): one pub/sub connection per client, read by a
+  background thread, shared by every ``wait`` of the client (sync and async). A
+  waiter reads the store, subscribes to its call's channel and reads the store again on every
+  wake-up: when its subscription is confirmed, when a message arrives, when the connection is
+  lost, and every ``wait_poll_seconds`` regardless. A notification only says "read the store
+  now"; the store stays the one source of truth, so a message that is lost (Redis down, a
+  publish that failed, a subscription confirmed after the call ended) costs at most one poll
+  interval, never a wrong answer.
+
+Why pub/sub and not a per-call list with ``BLPOP``: ``BLPOP`` needs no confirmation step, but it
+holds one Redis connection per waiting call (an asyncio agent waiting on 40 calls at once holds
+40), leaves a key per ended call in Redis until it expires, and wakes only one of several
+waiters of the same call. Pub/sub costs two connections per client (one to listen, one to wake
+the listening thread) and nothing in Redis when nobody listens; the race it has (a call ending
+between the waiter's read and its subscription) is closed by reading the store again once the
+subscription is confirmed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from dex_tasks.broker.metrics import count_ended
+
+if TYPE_CHECKING:
+    from dex_tasks.store import EndedCall, Store
+
+log = logging.getLogger("dex_tasks.broker.notify")
+
+CHANNEL_PREFIX = "dex:ended:"
+"""Prefix of the pub/sub channel of one call: ``dex:ended:<idempotency key>``."""
+
+QUIET_AFTER_ERROR_SECONDS = 1.0
+"""How long a notifier that could not reach Redis stays quiet before it tries again."""
+
+REDIS_TIMEOUT_SECONDS = 1.0
+"""Connect and reply timeout of the notifier's Redis client: a dead Redis delays a commit's
+hooks by at most this much, once per quiet period."""
+
+Connect = Callable[[float], redis.Redis]
+"""Makes a Redis client whose socket and connect timeouts are the given seconds."""
+
+# The watcher's connection: its reply timeout, how long it may hear nothing before it pings,
+# and how long without any reply (pong included) before it takes the connection for dead and
+# opens another.
+_WATCHER_SOCKET_TIMEOUT = 5.0
+_IDLE_PING_SECONDS = 5.0
+_DEAD_AFTER_SECONDS = 15.0
+_RECONNECT_FIRST_PAUSE = 0.05
+_RECONNECT_MAX_PAUSE = 2.0
+
+
+def ended_channel(key: str) -> str:
+    """The pub/sub channel the end of call ``key`` is announced on."""
+    return CHANNEL_PREFIX + key
+
+
+# -- sending ------------------------------------------------------------------------------------
+
+
+class EndedNotifier:
+    """Store hook: announces ended calls on Redis and counts them, after the commit.
+
+    Never raises: an unreachable Redis is logged (once per outage) and the notifier skips
+    Redis for :data:`QUIET_AFTER_ERROR_SECONDS`, so a store that keeps ending calls during an
+    outage does not wait on Redis for each of them.
+    """
+
+    def __init__(self, target: str, connect: Connect) -> None:
+        self.target = target
+        self._connect = connect
+        self._client: redis.Redis | None = None
+        self._quiet_until = 0.0
+        self._failing = False
+
+    @property
+    def client(self) -> redis.Redis:
+        """The notifier's own Redis client: short timeouts and no retries (created on first
+        use; redis-py's pool opens new connections after a fork by itself)."""
+        if self._client is None:
+            client = self._connect(REDIS_TIMEOUT_SECONDS)
+            client.set_retry(Retry(NoBackoff(), 0))
+            self._client = client
+        return self._client
+
+    def __call__(self, ended: Sequence[EndedCall]) -> None:
+        if not ended or time.monotonic() < self._quiet_until:
+            return
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for call in ended:
+                pipe.publish(ended_channel(call.key), call.status.value)
+            count_ended(pipe, ended)
+            pipe.execute()
+        except Exception as err:  # noqa: BLE001 - a notification is never worth a failure
+            self._quiet_until = time.monotonic() + QUIET_AFTER_ERROR_SECONDS
+            if not self._failing:
+                self._failing = True
+                log.warning("ended calls not announced on Redis; waiters fall back to "
+                            "polling the store", extra={"action": "notify_failed",
+                                                        "calls": len(ended),
+                                                        "error": f"{type(err).__name__}: {err}"})
+            return
+        if self._failing:
+            self._failing = False
+            log.info("ended calls announced on Redis again", extra={"action": "notify_resumed"})
+
+    def close(self) -> None:
+        """Close the notifier's Redis connections."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def install(store: Store, redis_url: str, connect: Connect | None = None) -> EndedNotifier:
+    """Make every call ``store`` ends announced on the Redis at ``redis_url`` (and counted);
+    returns the store's notifier (the one already installed for that Redis, if any).
+    ``connect`` makes its Redis clients (default: :func:`redis_connector` of the URL)."""
+    for hook in store.ended_hooks():
+        if isinstance(hook, EndedNotifier) and hook.target == redis_url:
+            return hook
+    notifier = EndedNotifier(redis_url, connect or redis_connector(redis_url))
+    store.on_calls_ended(notifier)
+    return notifier
+
+
+# -- waiting ------------------------------------------------------------------------------------
+
+
+class Watch:
+    """One waiter's interest in one call: woken (``wait`` returns True, ``on_wake`` runs) when
+    the call's channel has news, the subscription is confirmed, or the connection changes."""
+
+    def __init__(self, watcher: CallWatcher, channel: str,
+                 on_wake: Callable[[], None] | None) -> None:
+        self.watcher = watcher
+        self.channel = channel
+        self._on_wake = on_wake
+        self._event = threading.Event()
+
+    @property
+    def live(self) -> bool:
+        """Whether notifications can reach this watch now (see :attr:`CallWatcher.live`)."""
+        return self.watcher.live
+
+    def wake(self) -> None:
+        """Wake the waiter (called from the watcher's thread)."""
+        self._event.set()
+        if self._on_wake is not None:
+            try:
+                self._on_wake()
+            except Exception:
+                # e.g. the waiting coroutine's event loop has closed: nobody to wake.
+                log.debug("a waiter's wake-up callback failed", exc_info=True)
+
+    def wait(self, timeout: float) -> bool:
+        """Block until woken or ``timeout``; True if woken. Clears the wake-up."""
+        woken = self._event.wait(timeout)
+        self._event.clear()
+        return woken
+
+    def close(self) -> None:
+        """Stop watching (unsubscribes when this was the channel's last watch)."""
+        self.watcher.release(self)
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+class CallWatcher:
+    """The waiting side: one Redis pub/sub connection, read by a background thread.
+
+    redis-py's pub/sub objects must not be shared between threads, so only the watcher's thread
+    touches its connection: waiters queue SUBSCRIBE / UNSUBSCRIBE requests, which the thread
+    sends in the order they were made, and a waiter that needs a subscription now wakes the
+    thread by publishing to the thread's own channel. The thread starts on first use,
+    reconnects with backoff when the connection is lost, and then wakes every waiter (they
+    poll the store quickly until it is back).
+    """
+
+    def __init__(self, connect: Connect) -> None:
+        self._connect = connect
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._watches: dict[str, list[Watch]] = {}
+        self._requests: list[tuple[str, str]] = []
+        self._thread: threading.Thread | None = None
+        self._poker: redis.Redis | None = None
+        self._own_channel = f"dex:watcher:{uuid.uuid4().hex}"
+        self._live = False
+        self._failed = False  # a connection failed and no new one is up yet
+        self._closed = False
+
+    @property
+    def live(self) -> bool:
+        """Whether notifications can reach the waiters: the watcher is connected, or making
+        its first connection (which ends in a wake-up either way: each subscription's
+        confirmation, or every waiter woken when it fails). False while Redis is down."""
+        return self._live or not self._failed
+
+    def watch(self, key: str, on_wake: Callable[[], None] | None = None) -> Watch:
+        """Start watching call ``key``; the caller reads the store after each wake-up and
+        closes the watch when done (``with watcher.watch(key) as w: ...``)."""
+        if self._pid != os.getpid():
+            # A forked child cannot use its parent's thread or connection: start afresh.
+            self._reset()
+        channel = ended_channel(key)
+        watch = Watch(self, channel, on_wake)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the call watcher is closed")
+            self._start()
+            watches = self._watches.setdefault(channel, [])
+            watches.append(watch)
+            first = len(watches) == 1
+            if first:
+                self._requests.append(("subscribe", channel))
+        if first:
+            self._poke()
+        return watch
+
+    def release(self, watch: Watch) -> None:
+        """Forget ``watch``; unsubscribe its channel if no other watch needs it. (Nothing waits
+        for that: the thread sends it with its next command, or within a second.)"""
+        with self._lock:
+            watches = self._watches.get(watch.channel)
+            if watches is None or watch not in watches:
+                return
+            watches.remove(watch)
+            if not watches:
+                del self._watches[watch.channel]
+                self._requests.append(("unsubscribe", watch.channel))
+
+    def close(self) -> None:
+        """Stop the thread and close its connections (waits up to two seconds)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        if thread is not None and self._pid == os.getpid():
+            self._poke()
+            thread.join(2.0)
+        if self._poker is not None:
+            self._poker.close()
+
+    def _start(self) -> None:
+        # Under self._lock.
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dex-call-watcher",
+                                             daemon=True)
+            self._thread.start()
+
+    def _poke(self) -> None:
+        """Wake the watcher's thread out of its read, so it sends the queued commands now."""
+        try:
+            if self._poker is None:
+                self._poker = self._connect(REDIS_TIMEOUT_SECONDS)
+            self._poker.publish(self._own_channel, b"")
+        except Exception:
+            log.debug("could not wake the call watcher", exc_info=True)
+
+    def _wake(self, channel: str | None) -> None:
+        with self._lock:
+            if channel is None:
+                watches = [w for ws in self._watches.values() for w in ws]
+            else:
+                watches = list(self._watches.get(channel, ()))
+        for watch in watches:
+            watch.wake()
+
+    # -- the watcher's thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        pause = _RECONNECT_FIRST_PAUSE
+        failing = False
+        while not self._closed:
+            client = self._connect(_WATCHER_SOCKET_TIMEOUT)
+            client.set_retry(Retry(NoBackoff(), 0))  # the loop below reconnects, not redis-py
+            pubsub = client.pubsub()  # type: ignore[no-untyped-call]
+            try:
+                with self._lock:
+                    channels = list(self._watches)
+                    self._requests.clear()  # the snapshot covers them
+                pubsub.subscribe(self._own_channel, *channels)
+                self._live = True
+                self._failed = False
+                if failing:
+                    log.info("call watcher reconnected", extra={"action": "watcher_resumed"})
+                failing = False
+                pause = _RECONNECT_FIRST_PAUSE
+                self._read(pubsub)
+            except Exception as err:  # noqa: BLE001 - any failure: reconnect, waiters poll
+                self._failed = True
+                if not failing and not self._closed:
+                    failing = True
+                    log.warning("call watcher lost Redis; waits poll the store until it is "
+                                "back", extra={"action": "watcher_failed",
+                                               "error": f"{type(err).__name__}: {err}"})
+            finally:
+                self._live = False
+                # Messages may have been missed: every waiter reads the store again.
+                self._wake(None)
+                try:
+                    pubsub.close()
+                    client.close()
+                except Exception:  # noqa: BLE001 - closing a dead connection
+                    pass
+            if not self._closed:
+                time.sleep(pause)
+                pause = min(pause * 2, _RECONNECT_MAX_PAUSE)
+
+    def _read(self, pubsub: Any) -> None:
+        heard = pinged = time.monotonic()
+        while not self._closed:
+            self._send(pubsub)
+            message = pubsub.get_message(timeout=1.0)
+            now = time.monotonic()
+            if message is None:
+                if now - heard > _DEAD_AFTER_SECONDS:
+                    raise ConnectionError(f"no reply from Redis for {now - heard:.0f}s")
+                if now - heard > _IDLE_PING_SECONDS and now - pinged > _IDLE_PING_SECONDS:
+                    pinged = now
+                    pubsub.ping()
+                continue
+            heard = now
+            if message.get("type") in ("message", "subscribe"):
+                channel = message.get("channel")
+                if isinstance(channel, bytes):
+                    channel = channel.decode("utf-8", "surrogateescape")
+                # A confirmed subscription wakes its waiters too: their call may have ended
+                # before it, and they must read the store once more.
+                self._wake(str(channel))
+
+    def _send(self, pubsub: Any) -> None:
+        """Send the queued requests in order; consecutive ones of a kind in one command, so a
+        channel released and watched again ends subscribed."""
+        with self._lock:
+            batch, self._requests = self._requests, []
+        run: list[str] = []
+        for i, (kind, channel) in enumerate(batch):
+            run.append(channel)
+            if i + 1 == len(batch) or batch[i + 1][0] != kind:
+                (pubsub.subscribe if kind == "subscribe" else pubsub.unsubscribe)(*run)
+                run = []
+
+
+def redis_connector(redis_url: str) -> Connect:
+    """How notify's clients reach Redis: ``connect(timeout)`` makes a client of ``redis_url``
+    with that socket and connect timeout."""
+
+    def connect(timeout: float) -> redis.Redis:
+        return redis.Redis.from_url(redis_url, socket_timeout=timeout,
+                                    socket_connect_timeout=timeout)
+
+    return connect

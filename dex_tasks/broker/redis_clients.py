@@ -1,0 +1,203 @@
+"""Every Redis connection dex-tasks makes, configured in one place: plain, TLS or Sentinel.
+
+``DEX_REDIS_URL`` takes three forms:
+
+* ``redis://[user:password@]host:port/db``: one Redis server;
+* ``rediss://...``: the same over TLS. The server's certificate is always verified (against
+  ``DEX_REDIS_TLS_CA_FILE``, else the system's CAs) and its name checked; a client
+  certificate (``DEX_REDIS_TLS_CERT_FILE`` / ``_KEY_FILE``) is sent when one is set;
+* ``sentinel://[user:password@]host:port/db;sentinel://host:port;...``: Redis Sentinel. The
+  Sentinels are asked which server is the master of ``DEX_REDIS_SENTINEL_MASTER``; after a
+  failover every connection finds the new master the same way. The credentials and database
+  of the first address are those of the master (Sentinels are reached without a password).
+
+Celery's broker (kombu) and the clients dex-tasks makes itself (claims, sweep locks, sweep
+statistics for metrics) are both configured from here, so they always agree on where Redis is
+and how to reach it. kombu on its own would accept ``rediss://`` without verifying the
+server's certificate (it logs a warning and uses ``CERT_NONE``): :func:`broker_options`
+never leaves that to it.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import redis
+from redis.sentinel import Sentinel
+
+from dex_tasks.errors import ConfigurationError
+from dex_tasks.settings import DexSettings
+
+SCHEMES = ("redis", "rediss", "sentinel")
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """``DEX_REDIS_URL`` taken apart: what to connect to, and how."""
+
+    scheme: str
+    url: str
+    sentinels: tuple[tuple[str, int], ...] = ()
+    master: str | None = None
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+    @property
+    def tls(self) -> bool:
+        return self.scheme == "rediss"
+
+    @property
+    def sentinel(self) -> bool:
+        return self.scheme == "sentinel"
+
+
+def target(settings: DexSettings) -> RedisTarget:
+    """Parse and check ``DEX_REDIS_URL``; :class:`ConfigurationError` names what is wrong."""
+    url = settings.redis_url.strip()
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme not in SCHEMES:
+        raise ConfigurationError(
+            f"DEX_REDIS_URL must start with redis://, rediss:// (TLS) or sentinel://, got "
+            f"{safe_url(url)!r}"
+        )
+    if not scheme == "sentinel":
+        if settings.redis_sentinel_master:
+            raise ConfigurationError(
+                "DEX_REDIS_SENTINEL_MASTER is set but DEX_REDIS_URL is not a sentinel:// URL"
+            )
+        _check_tls_files(settings, scheme)
+        return RedisTarget(scheme=scheme, url=url)
+    if not settings.redis_sentinel_master:
+        raise ConfigurationError(
+            "DEX_REDIS_URL names Redis Sentinels, so DEX_REDIS_SENTINEL_MASTER must name the "
+            "master they monitor (the name in their `sentinel monitor` line)"
+        )
+    _check_tls_files(settings, scheme)
+    sentinels: list[tuple[str, int]] = []
+    first = None
+    for part in url.split(";"):
+        if not part.strip():
+            continue
+        parsed = urlsplit(part.strip())
+        if parsed.scheme.lower() != "sentinel" or not parsed.hostname:
+            raise ConfigurationError(
+                "DEX_REDIS_URL with Sentinels must be sentinel://host:port entries separated "
+                f"by ';', got {safe_url(part)!r}"
+            )
+        try:
+            port = parsed.port or 26379
+        except ValueError as err:
+            raise ConfigurationError(f"DEX_REDIS_URL: {err} in {safe_url(part)!r}") from None
+        sentinels.append((parsed.hostname, port))
+        first = first or parsed
+    assert first is not None
+    db_text = first.path.strip("/") or "0"
+    if not db_text.isdigit():
+        raise ConfigurationError(
+            f"DEX_REDIS_URL: the database must be a number, got {db_text!r}"
+        )
+    return RedisTarget(
+        scheme=scheme, url=url, sentinels=tuple(sentinels),
+        master=settings.redis_sentinel_master, db=int(db_text),
+        username=unquote(first.username) if first.username else None,
+        password=unquote(first.password) if first.password else None,
+    )
+
+
+def _check_tls_files(settings: DexSettings, scheme: str) -> None:
+    files = {"DEX_REDIS_TLS_CA_FILE": settings.redis_tls_ca_file,
+             "DEX_REDIS_TLS_CERT_FILE": settings.redis_tls_cert_file,
+             "DEX_REDIS_TLS_KEY_FILE": settings.redis_tls_key_file}
+    given = [name for name, value in files.items() if value]
+    if given and scheme != "rediss":
+        # Certificates configured for a plain connection: the operator meant TLS.
+        raise ConfigurationError(
+            f"{', '.join(given)} set, but DEX_REDIS_URL is not a rediss:// URL (TLS); "
+            "Sentinel over TLS is not supported"
+        )
+    if bool(settings.redis_tls_cert_file) != bool(settings.redis_tls_key_file):
+        raise ConfigurationError(
+            "DEX_REDIS_TLS_CERT_FILE and DEX_REDIS_TLS_KEY_FILE go together: set both or neither"
+        )
+
+
+def tls_options(settings: DexSettings) -> dict[str, Any]:
+    """redis-py's TLS arguments (kombu passes the same dict to its connections)."""
+    options: dict[str, Any] = {"ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_check_hostname": True}
+    if settings.redis_tls_ca_file:
+        options["ssl_ca_certs"] = settings.redis_tls_ca_file
+    if settings.redis_tls_cert_file:
+        options["ssl_certfile"] = settings.redis_tls_cert_file
+        options["ssl_keyfile"] = settings.redis_tls_key_file
+    return options
+
+
+def broker_options(settings: DexSettings, *, publisher: bool = False) -> dict[str, Any]:
+    """Celery settings that make its broker connection match ``DEX_REDIS_URL``.
+
+    ``broker_transport_options`` here are additions to the app's own; ``publisher`` picks the
+    transports of ``transport.py`` that reuse one Redis client per channel.
+    """
+    where = target(settings)
+    options: dict[str, Any] = {"broker_transport_options": {}}
+    if where.sentinel:
+        options["broker_transport_options"]["master_name"] = where.master
+        if publisher:
+            options["broker_transport"] = "dex_tasks.broker.transport:SentinelTransport"
+    elif publisher:
+        options["broker_transport"] = "dex_tasks.broker.transport:Transport"
+    if where.tls:
+        options["broker_use_ssl"] = tls_options(settings)
+    return options
+
+
+def redis_client(
+    settings: DexSettings, *, socket_timeout: float = 10.0,
+    socket_connect_timeout: float | None = None,
+) -> redis.Redis:
+    """A Redis client for ``DEX_REDIS_URL``: the master, through the Sentinels if they are
+    configured, over TLS for ``rediss://``. Its connections are made on first use."""
+    where = target(settings)
+    timeouts: dict[str, Any] = {"socket_timeout": socket_timeout,
+                                "socket_connect_timeout": socket_connect_timeout}
+    if where.sentinel:
+        assert where.master is not None
+        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            list(where.sentinels), sentinel_kwargs=dict(timeouts), **timeouts)
+        client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+            where.master, db=where.db, username=where.username, password=where.password,
+            **timeouts,
+        )
+        return client
+    extra = tls_options(settings) if where.tls else {}
+    return redis.Redis.from_url(where.url, **timeouts, **extra)
+
+
+def safe_url(url: str) -> str:
+    """``url`` with any password replaced by ``***``, for messages."""
+    out = []
+    for part in url.split(";"):
+        try:
+            parsed = urlsplit(part)
+            password = parsed.password
+        except ValueError:
+            password = None
+        if password:
+            part = part.replace(f":{password}@", ":***@", 1)
+        out.append(part)
+    return ";".join(out)
+
+
+def connector(settings: DexSettings) -> Callable[[float], redis.Redis]:
+    """``connect(timeout)``: a :func:`redis_client` with that socket and connect timeout (what
+    the end-of-call notifications and their waiters connect with)."""
+
+    def connect(timeout: float) -> redis.Redis:
+        return redis_client(settings, socket_timeout=timeout, socket_connect_timeout=timeout)
+
+    return connect

@@ -1,1 +1,0 @@
-"""dex-tasks' Alembic migrations (run by ``dex_tasks.schema``; see its docstring)."""

@@ -1,0 +1,599 @@
+"""The ``dex-tasks`` command. Thin: it parses, builds settings, and calls the library."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Literal, TypeVar
+
+import typer
+from rich.console import Console
+
+from dex_tasks.broker.celery_app import create_app
+from dex_tasks.errors import ConfigurationError, DexError, StoreUnavailableError
+from dex_tasks.logs import FORMATS, setup_process_logging
+from dex_tasks.registry import local_tools
+from dex_tasks.settings import DexSettings, settings_help
+from dex_tasks.store import Store, catalog
+
+app = typer.Typer(
+    help="Run AI agents' tool calls as Celery tasks.\n\nConfiguration (environment):\n\n"
+    + settings_help().replace("\n", "\n\n"),
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+
+LOG_FORMAT_OPTION = typer.Option(
+    "text", "--log-format",
+    help=f"Log lines as {' or '.join(FORMATS)} (json: one object per line, for collectors).",
+    callback=lambda value: check_log_format(value),
+)
+
+
+def check_log_format(value: str) -> str:
+    """Refuse an unknown --log-format with a message that names the choices."""
+    if value not in FORMATS:
+        raise typer.BadParameter(f"must be one of {', '.join(FORMATS)}, got {value!r}")
+    return value
+
+
+T = TypeVar("T")
+
+STARTUP_STORE_WAIT_SECONDS = 60.0
+
+
+def until_store_answers(step: Callable[[], T], wait: float = STARTUP_STORE_WAIT_SECONDS) -> T:
+    """Run a start-up ``step`` that needs the store, again while the store cannot be reached
+    (a database restarting as the worker or beat starts, a connection dropped), for up to
+    ``wait`` seconds; then the store's error, which the CLI prints in one line.
+
+    An out-of-date schema or a bad setting is not waited for: it is raised at once.
+    """
+    deadline = time.monotonic() + wait
+    pause = 0.5
+    while True:
+        try:
+            return step()
+        except StoreUnavailableError as err:
+            if time.monotonic() + pause > deadline:
+                raise
+            logging.getLogger("dex_tasks").warning(
+                "the store is not answering yet; trying again",
+                extra={"action": "startup_store_wait", "error": str(err)[:300]})
+            time.sleep(pause)
+            pause = min(pause * 2, 5.0)
+
+
+def _secret_or_none(settings: DexSettings) -> str | None:
+    """The signing key for log redaction, if one is set (workers and beat need none)."""
+    return settings.secret_key.get_secret_value() if settings.secret_key else None
+
+
+def import_tool_modules(modules: str) -> list[str]:
+    """Import ``a.b,c`` the way ``celery -A`` does, with the current directory on the path.
+
+    A module that cannot be found is a :class:`ConfigurationError` naming it (a typo in
+    ``--tools``, or a dependency of the tools that is not installed); any other error in a
+    tool module propagates with its traceback, which is what its author needs.
+    """
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    names = [m.strip() for m in modules.split(",") if m.strip()]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            missing = err.name or "?"
+            if name == missing or name.startswith(missing + "."):
+                raise ConfigurationError(
+                    f"cannot import tool module {name!r}: no module named {missing!r} "
+                    f"(check --tools / DEX_TOOLS and that it is on PYTHONPATH)"
+                ) from None
+            raise ConfigurationError(
+                f"tool module {name!r} imports {missing!r}, which is not installed here"
+            ) from None
+    return names
+
+
+def tool_modules(option: str | None, settings: DexSettings, *, required: bool) -> str:
+    """The tool modules to import: ``--tools`` if given, else ``DEX_TOOLS``."""
+    modules = option if option is not None else (settings.tools or "")
+    if required and not modules.strip():
+        raise ConfigurationError("no tool modules: pass --tools MODULE[,MODULE] or set "
+                                 "DEX_TOOLS (e.g. DEX_TOOLS=my_company.tools)")
+    return modules
+
+
+def positive_seconds(value: float) -> float:
+    """Option callback: a finite number of seconds above zero (typer names the option)."""
+    if not math.isfinite(value) or value <= 0:
+        raise typer.BadParameter(f"must be a positive number of seconds, got {value!r}")
+    return value
+
+
+POOLS = ("prefork", "threads")
+
+
+@app.command()
+def worker(
+    tools: str | None = typer.Option(
+        None, "--tools", help="Tool modules to import, comma-separated (default: DEX_TOOLS).",
+        show_default=False),
+    serve: str | None = typer.Option(
+        None, "--serve",
+        help="Serve only these tools (names or patterns such as 'http_*', comma-separated; "
+             "default: every tool the modules define). Calls of a tool go only to workers "
+             "that serve it.",
+    ),
+    concurrency: int = typer.Option(2, "-c", "--concurrency", min=1,
+                                    help="Worker processes (prefork) or threads (threads)."),
+    pool: str = typer.Option(
+        "prefork", "-P", "--pool",
+        help="prefork: a process per call, time limits kill the tool (CPU-bound tools). "
+             "threads: many I/O-bound calls per process; a thread cannot be killed, so a call "
+             "past its time limit is ended and its thread abandoned.",
+        callback=lambda value: check_pool(value),
+    ),
+    loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
+    log_format: str = LOG_FORMAT_OPTION,
+) -> None:
+    """Run a Celery worker for the tools in MODULE[,MODULE], consuming their queues."""
+    from dex_tasks.broker.routing import ServeSelectionError, select_tools
+
+    settings = DexSettings()
+    setup_process_logging(log_format, loglevel, _secret_or_none(settings),
+                          celery=True)
+    import_tool_modules(tool_modules(tools, settings, required=True))
+    registered = local_tools()
+    try:
+        served = select_tools(registered, serve)
+    except ServeSelectionError as err:
+        raise typer.BadParameter(str(err), param_hint="--serve") from None
+    store = Store(settings.database_url)
+    # Every imported tool's definition (policy, schema) is published, served here or not:
+    # which tools have a live worker is a separate, expiring record (routing.Presence).
+
+    def prepare_store() -> int:
+        store.create_all()
+        return catalog.publish(store, registered.values())
+
+    count = until_store_answers(prepare_store)
+    store.close()
+    logging.getLogger("dex_tasks").info("catalog published", extra={"action": "catalog_published",
+                                                                     "tools": count})
+    from dex_tasks.worker.main_process import worker_app
+
+    celery = worker_app(settings, served, pool=pool, concurrency=concurrency)
+    celery.worker_main([
+        # JSON logs: no banner, so every line a collector reads is one JSON object.
+        *(["--quiet"] if log_format == "json" else []),
+        "worker",
+        "-c", str(concurrency),
+        "-P", pool,
+        # A unique node name per process: leases are owned by "<node>:<pid>[:<thread>]".
+        "-n", f"dex-{os.getpid()}@%h",
+        "--loglevel", loglevel,
+        "--without-gossip", "--without-mingle",
+    ])
+
+
+def check_pool(value: str) -> str:
+    """Refuse an unknown --pool with a message that names the choices."""
+    if value not in POOLS:
+        raise typer.BadParameter(f"must be one of {', '.join(POOLS)}, got {value!r}")
+    return value
+
+
+@app.command()
+def beat(
+    loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
+    log_format: str = LOG_FORMAT_OPTION,
+) -> None:
+    """Run Celery beat with the schedule from beat_schedule.py; it runs the sweeps itself."""
+    import beat_schedule
+
+    settings = DexSettings()
+    setup_process_logging(log_format, loglevel, _secret_or_none(settings),
+                          celery=True)
+    store = Store(settings.database_url)
+    until_store_answers(store.create_all)
+    store.close()
+    celery = create_app(settings)
+    celery.conf.beat_schedule = beat_schedule.build(settings)
+    # Runs the sweeps in this process (see dex_tasks/worker/beat.py); only reconcile_unknown
+    # is sent.
+    celery.conf.beat_scheduler = "dex_tasks.worker.beat:SweepScheduler"
+    # The lock keeps this schedule file ours while beat runs: held open until the process ends.
+    state, _lock = beat_schedule.schedule_file(settings.state_dir)
+    quiet = ["--quiet"] if log_format == "json" else []
+    celery.start([*quiet, "beat", "--loglevel", loglevel, "--schedule", str(state)])
+
+
+@app.command()
+def api(
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="TCP port."),
+    loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
+    log_format: str = LOG_FORMAT_OPTION,
+) -> None:
+    """Serve the HTTP API and the approval page (OpenAPI at /docs)."""
+    from dex_tasks.api import serve
+    from dex_tasks.errors import ConfigurationError
+
+    settings = DexSettings()
+    setup_process_logging(log_format, loglevel, _secret_or_none(settings),
+                          celery=False)
+    try:
+        serve(settings, host=host, port=port, log_level=loglevel.lower())
+    except ConfigurationError as err:
+        # Refuse to serve rather than sign with a guessable key; say what to set.
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def demo(
+    keep_running: bool = typer.Option(
+        False, "--keep-running",
+        help="Leave the stack up after the run (with an approval waiting for you); Ctrl-C "
+             "stops it.",
+    ),
+) -> None:
+    """Run the whole system on this machine and drive an agent through every path.
+
+    With no configuration: an embedded Redis server, a SQLite store in a temporary folder, a
+    worker, beat and the API. DEX_REDIS_URL / DEX_DATABASE_URL replace them. Exits 0 only if
+    every path reached the outcome it announced; every process it started is stopped on exit.
+    """
+    from dex_tasks.ops.demo import run
+
+    raise typer.Exit(run(keep_running=keep_running, console=console))
+
+
+@app.command()
+def sweep(
+    tools: str | None = typer.Option(
+        None, "--tools",
+        help="Tool modules to import, so their registered reconcilers run too "
+             "(default: DEX_TOOLS).",
+    ),
+) -> None:
+    """Run every periodic job of beat_schedule.py once, now."""
+    from dex_tasks.worker.execution import runtime
+    from dex_tasks.worker.sweeps import run_all
+
+    settings = DexSettings()
+    import_tool_modules(tool_modules(tools, settings, required=False))
+    rt = runtime(create_app(settings))
+    rt.store.create_all()
+    console.print_json(json.dumps(run_all(rt)))
+
+
+@app.command("calls")
+def list_calls(
+    session_id: str = typer.Argument(..., help="The session whose calls to list."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """List a session's tool calls."""
+    from dex_tasks.agent.client import DexClient
+    from dex_tasks.ops.cli_render import calls_view
+
+    client = DexClient(DexSettings())
+    snapshot = client.get_agent_snapshot(session_id)
+    if as_json:
+        console.print_json(snapshot.model_dump_json())
+        return
+    console.print(calls_view(snapshot.tool_calls, console), highlight=False)
+
+
+@app.command()
+def show(key: str = typer.Argument(..., help="The call's idempotency key.")) -> None:
+    """Print one call's record and its events as JSON."""
+    from dex_tasks.agent.client import DexClient
+    from dex_tasks.store.records import CallEvent
+
+    client = DexClient(DexSettings())
+    record = client.get_tool_call(key)
+    events = [CallEvent.from_row(e).model_dump(mode="json")
+              for e in client.store.events_for_call(key)]
+    console.print_json(json.dumps({"call": record.model_dump(mode="json"), "events": events}))
+
+
+@app.command()
+def token(
+    session_id: str | None = typer.Argument(
+        None, help="The session the token is for (omit with --all-sessions)."),
+    all_sessions: bool = typer.Option(
+        False, "--all-sessions",
+        help="An operator token, valid for every session, which also opens GET /sessions "
+             "(the sessions waiting for a decision).",
+    ),
+    permission: Literal["view", "operate"] = typer.Option(
+        "operate", "--permission",
+        help="operate: read and decide approvals; view: read only (the page shows no "
+             "Approve/Reject).",
+    ),
+    ttl: float = typer.Option(3600.0, "--ttl", help="Seconds until the token expires.",
+                              callback=positive_seconds),
+    approver: str | None = typer.Option(
+        None, "--approver", help="The name recorded with each decision made with the token."
+    ),
+) -> None:
+    """Print a token, signed with DEX_SECRET_KEY, for the HTTP API and the session page.
+
+    Open the page at /sessions/SESSION_ID?token=TOKEN (an operator token: /sessions?token=TOKEN).
+    """
+    from dex_tasks.errors import DexError
+    from dex_tasks.tokens import issue_token
+
+    if all_sessions == (session_id is not None):
+        raise typer.BadParameter("give a SESSION_ID or --all-sessions (exactly one)")
+    settings = DexSettings()
+    try:
+        secret = settings.signing_key()
+    except DexError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        typer.echo(issue_token(secret, session_id, ttl, approver, permissions=(permission,),
+                               all_sessions=all_sessions))
+    except DexError as err:
+        raise typer.BadParameter(str(err)) from None
+
+
+approvals_app = typer.Typer(help="List, approve and reject tool calls waiting for a person.",
+                            no_args_is_help=True)
+app.add_typer(approvals_app, name="approvals")
+
+
+def _cli_approver() -> str:
+    import getpass
+
+    try:
+        return f"cli:{getpass.getuser()}"
+    except Exception:  # noqa: BLE001 - no login name (a container): still say it was the CLI
+        return "cli"
+
+
+@approvals_app.command("list")
+def approvals_list(
+    session_id: str | None = typer.Argument(None, help="Only this session (default: all)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """List the calls waiting for approval, oldest first."""
+    from dex_tasks.agent.approvals import list_pending
+
+    store = Store(DexSettings().database_url)
+    store.create_all()
+    pending = list_pending(store, session_id)
+    if as_json:
+        console.print_json(json.dumps([p.model_dump(mode="json") for p in pending]))
+        return
+    from dex_tasks.ops.cli_render import approvals_view
+
+    console.print(approvals_view(pending), highlight=False)
+
+
+def _decide(session_id: str, interrupt_id: str, approved: bool, message: str | None,
+            approver: str | None) -> None:
+    import time
+
+    from dex_tasks.agent.approvals import get_interrupt
+    from dex_tasks.agent.client import DexClient
+
+    with DexClient(DexSettings()) as client:
+        who = approver or _cli_approver()
+        if client.resolve_interrupt(session_id, interrupt_id, approved,
+                                    rejection_message=message, approver=who):
+            row = get_interrupt(client.store, interrupt_id)
+            call = client.get_tool_call(row.key) if row else None
+            status = call.status.value if call else "?"
+            typer.echo(f"decided: {'approved' if approved else 'rejected'} interrupt "
+                       f"{interrupt_id} as {who}; call {call.key if call else '?'} is {status}")
+            return
+        row = get_interrupt(client.store, interrupt_id)
+        if row is None or row.session_id != session_id:
+            why = f"session {session_id!r} has no interrupt {interrupt_id!r}"
+        elif row.decision is not None:
+            by = row.decided_by or ("the deadline sweep" if row.decision == "expired" else "?")
+            why = f"it was already {row.decision} by {by}"
+        elif row.deadline_at is not None and row.deadline_at <= time.time():
+            why = "its approval deadline has passed"
+        else:
+            why = "it could not be decided (see the logs)"
+        typer.echo(f"not decided: {why}", err=True)
+        raise typer.Exit(1)
+
+
+@approvals_app.command("approve")
+def approvals_approve(
+    session_id: str = typer.Argument(..., help="The call's session."),
+    interrupt_id: str = typer.Argument(..., help="From `dex-tasks approvals list`."),
+    approver: str | None = typer.Option(None, "--approver",
+                                        help="Recorded as who decided (default: cli:$USER)."),
+) -> None:
+    """Approve a waiting call: it runs. Exit status 1 if this did not decide it."""
+    _decide(session_id, interrupt_id, True, None, approver)
+
+
+@approvals_app.command("reject")
+def approvals_reject(
+    session_id: str = typer.Argument(..., help="The call's session."),
+    interrupt_id: str = typer.Argument(..., help="From `dex-tasks approvals list`."),
+    message: str | None = typer.Option(None, "--message", "-m",
+                                       help="Why; the model reads it in the call's error."),
+    approver: str | None = typer.Option(None, "--approver",
+                                        help="Recorded as who decided (default: cli:$USER)."),
+) -> None:
+    """Reject a waiting call: it never runs. Exit status 1 if this did not decide it."""
+    _decide(session_id, interrupt_id, False, message, approver)
+
+
+@app.command()
+def reconcile(
+    session_id: str = typer.Argument(..., help="The session whose outcome_unknown calls to check."),
+    tools: str | None = typer.Option(
+        None, "--tools",
+        help="Tool modules whose @tool.reconciler checkers to use (a,b; default: DEX_TOOLS).",
+    ),
+) -> None:
+    """Ask the tools' checkers what happened to SESSION_ID's outcome_unknown calls and report it.
+
+    Each answer goes into the session as a user message naming the call's key. Calls reported
+    before are skipped, so running this again sends nothing new.
+    """
+    from dex_tasks.agent.client import DexClient
+    from dex_tasks.worker.reconcilers import reconcile_with_reconcilers
+
+    settings = DexSettings()
+    tools = tool_modules(tools, settings, required=False)
+    import_tool_modules(tools)
+    with DexClient(settings) as client:
+        result = reconcile_with_reconcilers(client.store, session_id)
+    for report in result.reported:
+        console.print(f"[green]reported[/green] {report.key}: {report.text}", highlight=False)
+    for key in result.unanswered:
+        console.print(f"[yellow]not known yet[/yellow] {key}: its checker returned no answer",
+                      highlight=False)
+    for key, error in result.failed.items():
+        console.print(f"[red]checker failed[/red] {key}: {error}", highlight=False)
+    for key in result.no_checker:
+        console.print(f"[yellow]no checker[/yellow] {key}: its tool has no @tool.reconciler in "
+                      f"{tools or '(no --tools given)'}", highlight=False)
+    if not (result.reported or result.unanswered or result.failed or result.no_checker):
+        console.print(f"nothing to report: session {session_id!r} has no unreported "
+                      "outcome_unknown calls", highlight=False)
+
+
+db_app = typer.Typer(help="The store's schema: its revision, and the migrations to head.",
+                     no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+
+@db_app.command("upgrade")
+def db_upgrade() -> None:
+    """Migrate DEX_DATABASE_URL's schema to this release's (head), in one transaction.
+
+    Stop the processes of the older release first: they were written for the old schema. A
+    store made by a release before migrations is recognised and upgraded too.
+    """
+    from dex_tasks.store.schema import upgrade
+
+    store = Store(DexSettings().database_url)
+    try:
+        before, after = upgrade(store)
+    finally:
+        store.close()
+    if before.revision == after.revision:
+        typer.echo(f"{after.url}: already at head {after.head}")
+    else:
+        typer.echo(f"{after.url}: upgraded from {before.revision or before.state} to head "
+                   f"{after.revision}")
+
+
+@db_app.command("current")
+def db_current() -> None:
+    """Print DEX_DATABASE_URL's schema revision and whether it is head (exit status 0 at
+    head, 1 otherwise)."""
+    from dex_tasks.store.schema import UPGRADE_COMMAND, inspect_schema
+
+    store = Store(DexSettings().database_url)
+    try:
+        status = inspect_schema(store)
+    finally:
+        store.close()
+    state = status.state
+    if state == "head":
+        typer.echo(f"{status.url}: {status.revision} (head)")
+        return
+    if state == "empty":
+        line = (f"no schema yet (an empty database: the first worker, beat, API or client to "
+                f"start migrates it to head {status.head}, or run `{UPGRADE_COMMAND}`)")
+    elif state == "unversioned":
+        line = (f"no revision recorded (tables of a release before migrations; head is "
+                f"{status.head}): run `{UPGRADE_COMMAND}`")
+    elif state == "behind":
+        line = f"{status.revision} (behind head {status.head}): run `{UPGRADE_COMMAND}`"
+    else:
+        line = (f"{status.revision} (not a revision this dex-tasks knows; its head is "
+                f"{status.head}): a newer release migrated it")
+    typer.echo(f"{status.url}: {line}")
+    raise typer.Exit(1)
+
+
+def _check_age(value: str) -> str:
+    """Refuse a bad --older-than before anything connects (typer names the option)."""
+    from dex_tasks.errors import InvalidArgumentError
+    from dex_tasks.store.prune import AGE_RULE, parse_age
+
+    try:
+        parse_age(value)
+    except InvalidArgumentError:
+        raise typer.BadParameter(f"{AGE_RULE}; got {value!r}") from None
+    return value
+
+
+@app.command()
+def prune(
+    older_than: str = typer.Option(
+        ..., "--older-than",
+        help="How long ago a call must have finished: 30d, 12h or 90m (days, hours, minutes).",
+        callback=_check_age,
+    ),
+    batch: int | None = typer.Option(
+        None, "--batch", min=1,
+        help="Calls (or messages) deleted per transaction [default: DEX_PRUNE_BATCH, 1000].",
+    ),
+) -> None:
+    """Delete finished calls older than --older-than, with their events, interrupts and
+    transcript messages, in short transactions (workers keep running).
+
+    Kept: outcome_unknown calls no user message has reported yet, calls whose turn is still
+    open, and the messages of sessions with a call still open.
+    """
+    from dex_tasks.store.prune import parse_age
+    from dex_tasks.store.prune import prune as run_prune
+
+    seconds = parse_age(older_than)
+    settings = DexSettings()
+    store = Store(settings.database_url)
+    try:
+        store.create_all()
+        result = run_prune(store, seconds, batch=batch or settings.prune_batch)
+    finally:
+        store.close()
+    typer.echo(
+        f"deleted {result.calls} calls finished before "
+        f"{datetime.fromtimestamp(result.cutoff, tz=UTC):%Y-%m-%d %H:%M:%S} UTC "
+        f"({result.events} events, {result.interrupts} interrupts, {result.tool_messages} tool "
+        f"messages) and {result.messages} user and assistant messages, in {result.batches} "
+        f"transactions (the longest {result.longest_batch_seconds * 1000:.0f} ms)")
+    if result.kept_unreported or result.kept_open_turn:
+        typer.echo(f"kept {result.kept_unreported} outcome_unknown calls not yet reported and "
+                   f"{result.kept_open_turn} calls of turns still open")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the console script.
+
+    A :class:`DexError` (a call that does not exist, a setting that is wrong, a store that
+    cannot be reached) is the user's to fix, not a bug: one line on stderr, no traceback, exit
+    status 2 for configuration and 1 otherwise.
+    """
+    try:
+        app(args=argv)
+    except DexError as err:
+        typer.echo(f"error: {err}", err=True)
+        sys.exit(2 if isinstance(err, ConfigurationError) else 1)
+
+
+if __name__ == "__main__":
+    main()

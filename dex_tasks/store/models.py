@@ -1,0 +1,184 @@
+"""SQLModel tables: the store's schema (what the migrations in ``migrations/`` build).
+
+Changing a table here needs a migration: ``dex_tasks/store/migrations/versions`` (see
+``schema.py``); a test compares the migrated schema with these models on both engines.
+
+JSON columns (:class:`~dex_tasks.store.sqljson.JsonText`) are ``jsonb`` on PostgreSQL and
+``TEXT`` on SQLite; the code sees JSON text on both. Event and message ids are 64-bit (``BIGINT`` on
+PostgreSQL; SQLite's ``INTEGER PRIMARY KEY`` is 64-bit already).
+
+Times are UTC epoch seconds in ``double precision`` columns, not ``timestamptz``, on purpose:
+
+* index use is the same: a b-tree over floats serves ``lease_expires_at < :now`` or the prune's
+  ``finished_at < :cutoff`` exactly as one over timestamps would;
+* the sweeps compare and compute in seconds (a lease is ``now + lease_seconds``, an approved
+  call's queue expiry moves by ``now - created_at``), which is plain arithmetic on floats on
+  both engines; with ``timestamptz`` each would need interval arithmetic on PostgreSQL and
+  another spelling on SQLite, which has no time type;
+* the metrics' latency buckets are ``finished_at - created_at`` compared with seconds in one
+  aggregate; with ``timestamptz`` that difference is an ``interval`` that needs
+  ``extract(epoch from ...)`` on PostgreSQL only;
+* psql users see numbers, the price: ``to_timestamp(created_at)`` shows a time
+  (``select key, status, to_timestamp(finished_at) from dex_tool_calls``).
+
+Views for users live in ``records.py``.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import BigInteger, Column, Index, Integer, Text
+from sqlmodel import Field, SQLModel
+
+from dex_tasks.limits import (
+    APPROVER_MAX,
+    INTERRUPT_ID_MAX,
+    KEY_MAX,
+    SESSION_ID_MAX,
+    TOOL_CALL_ID_MAX,
+    TOOL_NAME_MAX,
+    TURN_ID_MAX,
+)
+from dex_tasks.store.sqljson import JsonText
+
+# BIGINT on PostgreSQL; on SQLite only INTEGER PRIMARY KEY is the (64-bit) rowid that numbers
+# itself, so the variant keeps it.
+ID = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class ToolCallRow(SQLModel, table=True):
+    """One tool call, keyed by its idempotency key, with the policy snapshot taken at request."""
+
+    __tablename__ = "dex_tool_calls"
+    __table_args__ = (
+        # The lease reaper and the republisher look only at these, so both sweeps are
+        # O(calls in that status), not O(all calls).
+        Index("ix_dex_calls_status_lease", "status", "lease_expires_at"),
+        Index("ix_dex_calls_status_published", "status", "published_at"),
+        # Prune reads terminal calls by finish time, and the reconcilers page through
+        # outcome_unknown calls in finish order. (It replaces an index on status alone, which
+        # these three made redundant.)
+        Index("ix_dex_calls_status_finished", "status", "finished_at"),
+        # /metrics counts the open calls by tool and effect class from this index alone, so a
+        # scrape reads only the open calls' entries, never the ended ones (which grow for
+        # ever). It also serves every lookup by status.
+        Index("ix_dex_calls_status_tool_effect", "status", "tool", "effect"),
+    )
+
+    key: str = Field(primary_key=True, max_length=KEY_MAX)
+    session_id: str = Field(index=True, max_length=SESSION_ID_MAX)
+    turn_id: str = Field(max_length=TURN_ID_MAX)
+    tool_call_id: str = Field(max_length=TOOL_CALL_ID_MAX)
+    tool: str = Field(max_length=TOOL_NAME_MAX)
+    arguments: str = Field(sa_column=Column(JsonText, nullable=False))
+    # Policy snapshot: later policy changes affect only later calls.
+    effect: str = Field(max_length=32)
+    requires_approval: bool
+    max_attempts: int
+    time_limit: float | None = None
+    status: str = Field(max_length=32)
+    prev_status: str | None = Field(default=None, max_length=32)
+    result: str | None = Field(default=None, sa_column=Column(JsonText, nullable=True))
+    error: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    attempts: int = 0
+    interrupt_id: str | None = Field(default=None, max_length=INTERRUPT_ID_MAX)
+    worker: str | None = Field(default=None, max_length=255)
+    lease_expires_at: float | None = None
+    published_at: float | None = None
+    # How often the stranded-call sweep republished it; each republish doubles the wait before
+    # the next, so a long backlog (messages waiting, not lost) is not flooded with duplicates.
+    republishes: int = 0
+    expires_at: float | None = None
+    created_at: float
+    updated_at: float
+    finished_at: float | None = None
+
+
+class CallEventRow(SQLModel, table=True):
+    """One transition of one call, written in the same transaction as the status change.
+
+    ``id`` is the cursor of the session's event stream.
+    """
+
+    __tablename__ = "dex_call_events"
+    __table_args__ = (Index("ix_dex_events_session_id", "session_id", "id"),)
+
+    id: int | None = Field(default=None, primary_key=True, sa_type=ID)
+    session_id: str = Field(max_length=SESSION_ID_MAX)
+    key: str = Field(index=True, max_length=KEY_MAX)
+    event: str = Field(max_length=64)
+    from_status: str | None = Field(default=None, max_length=32)
+    to_status: str = Field(max_length=32)
+    detail: str | None = Field(default=None, sa_column=Column(JsonText, nullable=True))
+    created_at: float
+
+
+class InterruptRow(SQLModel, table=True):
+    """A pending (or decided) approval of one call."""
+
+    __tablename__ = "dex_interrupts"
+    __table_args__ = (
+        # The deadline sweep reads only undecided interrupts whose deadline passed: O(overdue).
+        Index("ix_dex_interrupts_open_deadline", "decision", "deadline_at"),
+    )
+
+    interrupt_id: str = Field(primary_key=True, max_length=INTERRUPT_ID_MAX)
+    key: str = Field(unique=True, max_length=KEY_MAX)
+    session_id: str = Field(index=True, max_length=SESSION_ID_MAX)
+    deadline_at: float | None = None
+    created_at: float
+    decision: str | None = Field(default=None, max_length=32)
+    decided_by: str | None = Field(default=None, max_length=APPROVER_MAX)
+    decided_at: float | None = None
+    reason: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+
+
+class MessageRow(SQLModel, table=True):
+    """One message of a session's transcript: a user's, the model's own text, or a tool result.
+
+    ``role`` says which (``states.MessageRole``). User messages carry ``text`` and a delivery
+    ``status`` (``queued`` while a turn of the session is open, then ``delivered``); assistant
+    messages carry ``text`` and their ``turn_id``; tool messages are written by the transition
+    that ends their call (``Store.transition``) and carry the call's ids, ``call_status``,
+    ``tool_arguments`` and ``tool_output`` (the result's JSON text, or the error text), with
+    ``text`` and ``status`` left NULL. One table, so the transcript is one ordered read.
+    """
+
+    __tablename__ = "dex_messages"
+    __table_args__ = (
+        # Delivery looks only at queued messages (of one session, or all for the sweep); only
+        # user messages have a status, so tool and assistant messages are never in its range.
+        Index("ix_dex_messages_status_session", "status", "session_id"),
+        # One tool message per call, whatever code ended it: a backstop behind the guarded
+        # transition (user and assistant messages have no key, and NULLs never collide).
+        Index("ux_dex_messages_key", "key", unique=True),
+    )
+
+    id: int | None = Field(default=None, primary_key=True, sa_type=ID)
+    session_id: str = Field(index=True, max_length=SESSION_ID_MAX)
+    # server_default: rows written before the transcript had roles were all user messages.
+    role: str = Field(default="user", max_length=16,
+                      sa_column_kwargs={"server_default": "user", "nullable": False})
+    text: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    status: str | None = Field(default=None, max_length=16)
+    created_at: float
+    delivered_at: float | None = None
+    turn_id: str | None = Field(default=None, max_length=TURN_ID_MAX)
+    tool_call_id: str | None = Field(default=None, max_length=TOOL_CALL_ID_MAX)
+    tool: str | None = Field(default=None, max_length=TOOL_NAME_MAX)
+    key: str | None = Field(default=None, max_length=KEY_MAX)
+    call_status: str | None = Field(default=None, max_length=32)
+    tool_arguments: str | None = Field(default=None, sa_column=Column(JsonText, nullable=True))
+    tool_output: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+
+
+class CatalogRow(SQLModel, table=True):
+    """A tool published by a worker: its policy, MCP hints and argument schema."""
+
+    __tablename__ = "dex_tool_catalog"
+
+    name: str = Field(primary_key=True, max_length=TOOL_NAME_MAX)
+    policy: str = Field(sa_column=Column(JsonText, nullable=False))
+    hints: str | None = Field(default=None, sa_column=Column(JsonText, nullable=True))
+    arguments_schema: str = Field(sa_column=Column(JsonText, nullable=False))
+    description: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    updated_at: float

@@ -1,0 +1,232 @@
+"""Pruning: deleting finished calls and old transcript rows, a short transaction at a time.
+
+``dex-tasks prune --older-than 30d`` (:func:`prune`) deletes, with a cutoff of now minus the age:
+
+* every terminal call that finished before the cutoff, with its events, its interrupt and its
+  tool message, except
+
+  - an ``outcome_unknown`` call that no user message of its session names yet: reconciliation
+    still needs it (the rule of ``transcript.py``: a call is reported once a user message names
+    its key); once a report names it, it goes like any other;
+  - a call whose turn still has a call that is not terminal: a queued user message waits for
+    every turn begun before it, and the turn's first call is what says when it began
+    (``store.deliver_ready_messages``);
+
+* every user and assistant message created before the cutoff, unless its session has a call
+  that is not terminal (a session waiting for a call, an approval that may outlast any
+  retention period, keeps its whole conversation, which the model reads when the turn goes on),
+  it is still ``queued``, or it names an ``outcome_unknown`` call still in the store (deleting
+  that report would make the call look unreported again).
+
+Each batch is its own short transaction: the candidates are read first, without locks, then one
+write transaction re-checks the conditions inside its DELETE statements and deletes at most
+``batch`` calls (with their rows) or messages. Terminal calls never change again, so no worker
+ever waits for a row being deleted; on SQLite a batch holds the database's write lock for a
+few milliseconds, which a worker's transaction waits out (``busy_timeout``) rather than fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Select, delete, exists, or_, select, tuple_
+from sqlalchemy.engine import Connection
+
+from dex_tasks.errors import InvalidArgumentError
+from dex_tasks.states import TERMINAL, CallStatus, MessageRole
+from dex_tasks.store import CALLS, EVENTS, INTERRUPTS, MESSAGES, Store
+from dex_tasks.store.transcript import QUEUED, named_keys, names_key
+
+log = logging.getLogger("dex_tasks.store.prune")
+
+DEFAULT_BATCH = 1000
+
+_AGE = re.compile(r"(\d+)([dhm])")
+_UNIT_SECONDS = {"d": 86400, "h": 3600, "m": 60}
+_OPEN = [s.value for s in CallStatus if not s.terminal]
+_TERMINAL = sorted(s.value for s in TERMINAL)
+
+
+AGE_RULE = ("must be a whole number of days, hours or minutes above zero, such as 30d, 12h "
+            "or 90m")
+
+
+def parse_age(text: str, option: str = "older_than") -> float:
+    """Seconds in an age written ``30d``, ``12h`` or ``90m``; ``InvalidArgumentError`` naming
+    ``option`` for anything else."""
+    match = _AGE.fullmatch(text.strip()) if isinstance(text, str) else None
+    if match is None or int(match[1]) == 0:
+        raise InvalidArgumentError(f"{option} {AGE_RULE}; got {text!r}")
+    return float(int(match[1]) * _UNIT_SECONDS[match[2]])
+
+
+@dataclass
+class PruneResult:
+    """What one prune run deleted (and kept)."""
+
+    cutoff: float
+    """Epoch seconds: calls that finished, and messages created, before it were candidates."""
+    calls: int = 0
+    events: int = 0
+    interrupts: int = 0
+    tool_messages: int = 0
+    messages: int = 0
+    """User and assistant messages."""
+    kept_unreported: int = 0
+    """``outcome_unknown`` calls kept because no user message names them yet."""
+    kept_open_turn: int = 0
+    """Terminal calls kept because their turn has a call that is not terminal."""
+    batches: int = 0
+    """Write transactions run."""
+    longest_batch_seconds: float = 0.0
+
+
+def prune(store: Store, older_than: float, *, batch: int = DEFAULT_BATCH,
+          now: float | None = None) -> PruneResult:
+    """Delete what finished (or was written) more than ``older_than`` seconds before ``now``
+    (see the module docstring); at most ``batch`` calls or messages per transaction."""
+    if older_than <= 0:
+        raise InvalidArgumentError(f"older_than must be above zero, got {older_than!r}")
+    if batch < 1:
+        raise InvalidArgumentError(f"batch must be at least 1, got {batch!r}")
+    result = PruneResult(cutoff=(time.time() if now is None else now) - older_than)
+    for status in _TERMINAL:
+        _prune_calls(store, status, batch, result)
+    _prune_messages(store, batch, result)
+    log.info("pruned", extra={"action": "prune", "cutoff": result.cutoff,
+                              "calls": result.calls, "events": result.events,
+                              "interrupts": result.interrupts,
+                              "tool_messages": result.tool_messages,
+                              "messages": result.messages, "batches": result.batches,
+                              "kept_unreported": result.kept_unreported,
+                              "kept_open_turn": result.kept_open_turn})
+    return result
+
+
+# -- calls ----------------------------------------------------------------------------------------
+
+_TURN = CALLS.alias("turn")
+# Correlated to the call being deleted: another call of its turn that has not ended.
+_TURN_OPEN = exists().where(
+    _TURN.c.session_id == CALLS.c.session_id, _TURN.c.turn_id == CALLS.c.turn_id,
+    _TURN.c.status.in_(_OPEN),
+)
+
+
+def candidates(status: str, cutoff: float, after: tuple[float, str] | None,
+               batch: int) -> Select[Any]:
+    """The next page of ``status`` calls finished before ``cutoff``, oldest first, after the
+    ``(finished_at, key)`` of the previous page: a range of the ``(status, finished_at)``
+    index. Keyset paging: calls one page kept are not read again by the next."""
+    page = select(CALLS.c.key, CALLS.c.session_id, CALLS.c.finished_at).where(
+        CALLS.c.status == status, CALLS.c.finished_at < cutoff)
+    if after is not None:
+        page = page.where(tuple_(CALLS.c.finished_at, CALLS.c.key) > tuple_(*after))
+    return page.order_by(CALLS.c.finished_at, CALLS.c.key).limit(batch)
+
+
+def _prune_calls(store: Store, status: str, batch: int, result: PruneResult) -> None:
+    """Page through :func:`candidates`; one write transaction per page."""
+    after: tuple[float, str] | None = None
+    while True:
+        with store.read() as conn:
+            rows = conn.execute(candidates(status, result.cutoff, after, batch)).all()
+        if not rows:
+            return
+        after = (rows[-1].finished_at, rows[-1].key)
+        pairs = [(row.session_id, row.key) for row in rows]
+        with _batch(store, result) as conn:
+            keys = [key for _, key in pairs]
+            if status == CallStatus.OUTCOME_UNKNOWN.value:
+                named = named_keys(conn, pairs)
+                keys = [key for key in keys if key in named]
+                result.kept_unreported += len(pairs) - len(keys)
+            if keys:
+                _delete_calls(conn, keys, result)
+        if len(rows) < batch:
+            return
+
+
+def _delete_calls(conn: Connection, keys: Sequence[str], result: PruneResult) -> None:
+    deleted = list(conn.execute(
+        delete(CALLS)
+        .where(CALLS.c.key.in_(keys), CALLS.c.status.in_(_TERMINAL),
+               CALLS.c.finished_at < result.cutoff, ~_TURN_OPEN)
+        .returning(CALLS.c.key)
+    ).scalars())
+    result.kept_open_turn += len(keys) - len(deleted)
+    if not deleted:
+        return
+    result.calls += len(deleted)
+    result.events += _count(conn.execute(delete(EVENTS).where(EVENTS.c.key.in_(deleted))))
+    result.interrupts += _count(conn.execute(
+        delete(INTERRUPTS).where(INTERRUPTS.c.key.in_(deleted))))
+    result.tool_messages += _count(conn.execute(
+        delete(MESSAGES).where(MESSAGES.c.key.in_(deleted))))
+
+
+# -- user and assistant messages ------------------------------------------------------------------
+
+_SESSION_OPEN = exists().where(CALLS.c.session_id == MESSAGES.c.session_id,
+                               CALLS.c.status.in_(_OPEN))
+
+
+def _prune_messages(store: Store, batch: int, result: PruneResult) -> None:
+    after = 0
+    while True:
+        with store.read() as conn:
+            rows = conn.execute(
+                select(MESSAGES.c.id, MESSAGES.c.session_id, MESSAGES.c.role, MESSAGES.c.text)
+                .where(MESSAGES.c.id > after,
+                       MESSAGES.c.role.in_([MessageRole.USER.value,
+                                            MessageRole.ASSISTANT.value]),
+                       MESSAGES.c.created_at < result.cutoff)
+                .order_by(MESSAGES.c.id).limit(batch)
+            ).all()
+        if not rows:
+            return
+        after = rows[-1].id
+        with _batch(store, result) as conn:
+            unknown: dict[str, list[str]] = defaultdict(list)
+            for session_id, key in conn.execute(
+                select(CALLS.c.session_id, CALLS.c.key).where(
+                    CALLS.c.session_id.in_({row.session_id for row in rows}),
+                    CALLS.c.status == CallStatus.OUTCOME_UNKNOWN.value)):
+                unknown[session_id].append(key)
+            ids = [row.id for row in rows
+                   if not any(names_key(row.text, key) for key in unknown[row.session_id])]
+            if ids:
+                result.messages += _count(conn.execute(
+                    delete(MESSAGES).where(
+                        MESSAGES.c.id.in_(ids),
+                        or_(MESSAGES.c.status.is_(None), MESSAGES.c.status != QUEUED),
+                        ~_SESSION_OPEN)))
+        if len(rows) < batch:
+            return
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _batch(store: Store, result: PruneResult) -> Iterator[Connection]:
+    """One write transaction of a prune run, counted and timed."""
+    started = time.monotonic()
+    try:
+        with store.write() as conn:
+            yield conn
+    finally:
+        result.batches += 1
+        result.longest_batch_seconds = max(result.longest_batch_seconds,
+                                           time.monotonic() - started)
+
+
+def _count(cursor: Any) -> int:
+    return int(cursor.rowcount or 0)

@@ -1,0 +1,178 @@
+"""What users see: read-only views built from store rows."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from dex_tasks.policy import EffectClass
+from dex_tasks.states import CallStatus, MessageRole
+from dex_tasks.store.models import CallEventRow, ToolCallRow
+
+
+def _dt(value: float | None) -> datetime | None:
+    return None if value is None else datetime.fromtimestamp(value, tz=UTC)
+
+
+class ToolCallRecord(BaseModel):
+    """One tool call as the agent (and the model) sees it."""
+
+    key: str
+    session_id: str
+    turn_id: str
+    tool_call_id: str
+    tool: str
+    arguments: dict[str, Any]
+    effect: EffectClass
+    requires_approval: bool
+    status: CallStatus
+    result: Any = None
+    error: str | None = None
+    attempts: int = 0
+    max_attempts: int = 1
+    interrupt_id: str | None = None
+    created_at: datetime
+    finished_at: datetime | None = None
+
+    @property
+    def terminal(self) -> bool:
+        """True once the call has ended; it never changes after that."""
+        return self.status.terminal
+
+    @classmethod
+    def from_row(cls, row: ToolCallRow) -> ToolCallRecord:
+        """Build the view from a store row."""
+        return cls(
+            key=row.key,
+            session_id=row.session_id,
+            turn_id=row.turn_id,
+            tool_call_id=row.tool_call_id,
+            tool=row.tool,
+            arguments=json.loads(row.arguments),
+            effect=EffectClass(row.effect),
+            requires_approval=row.requires_approval,
+            status=CallStatus(row.status),
+            result=None if row.result is None else json.loads(row.result),
+            error=row.error,
+            attempts=row.attempts,
+            max_attempts=row.max_attempts,
+            interrupt_id=row.interrupt_id,
+            created_at=_dt(row.created_at),
+            finished_at=_dt(row.finished_at),
+        )
+
+
+class CallEvent(BaseModel):
+    """One transition in a session's event stream; ``id`` is the cursor."""
+
+    id: int
+    session_id: str
+    key: str
+    event: str
+    from_status: CallStatus | None = None
+    to_status: CallStatus
+    detail: dict[str, Any] | None = None
+    created_at: datetime
+
+    @classmethod
+    def from_row(cls, row: CallEventRow) -> CallEvent:
+        """Build the view from a store row."""
+        return cls(
+            id=row.id or 0,
+            session_id=row.session_id,
+            key=row.key,
+            event=row.event,
+            from_status=CallStatus(row.from_status) if row.from_status else None,
+            to_status=CallStatus(row.to_status),
+            detail=json.loads(row.detail) if row.detail else None,
+            created_at=_dt(row.created_at),
+        )
+
+
+class PendingInterrupt(BaseModel):
+    """A call waiting for a person's decision (its deadline, if any, not yet passed)."""
+
+    interrupt_id: str
+    session_id: str
+    key: str
+    tool: str
+    arguments: dict[str, Any]
+    effect: EffectClass
+    deadline: datetime | None = None
+    created_at: datetime
+
+
+class Decision(BaseModel):
+    """The audit record of one decided approval: who, when, what, why, and how the call ended.
+
+    ``decision`` is ``approved``, ``rejected`` (by a person) or ``expired`` (the deadline passed;
+    ``decided_by`` is then None). ``call_status`` is the call's status now.
+    """
+
+    interrupt_id: str
+    key: str
+    tool: str
+    arguments: dict[str, Any]
+    effect: EffectClass
+    decision: Literal["approved", "rejected", "expired"]
+    decided_by: str | None = None
+    decided_at: datetime
+    reason: str | None = None
+    deadline: datetime | None = None
+    call_status: CallStatus
+
+
+class SessionMessage(BaseModel):
+    """One message of a session's transcript, which the model reads (oldest first).
+
+    ``role`` says whose it is. A user message (``MessageRole.USER``) has ``text`` and a
+    ``status``: ``queued`` while a turn of the session that had begun when it was sent is open,
+    then ``delivered``. An assistant message (``ASSISTANT``) has ``text`` and ``turn_id``. A
+    tool message (``TOOL``) is written in the transaction that ends its call; ``text`` is None
+    and it has the call's ``turn_id``, ``tool_call_id``, ``tool``, ``key``, ``call_status``,
+    ``tool_arguments`` (the arguments as JSON text) and ``tool_output``: the result as JSON
+    text if the call succeeded, its error text otherwise (so an unknown outcome's contains
+    ``OUTCOME_UNKNOWN_TOOL_RESULT``).
+    """
+
+    id: int
+    session_id: str
+    role: MessageRole
+    text: str | None = None
+    created_at: datetime
+    status: Literal["queued", "delivered"] | None = None
+    delivered_at: datetime | None = None
+    turn_id: str | None = None
+    tool_call_id: str | None = None
+    tool: str | None = None
+    key: str | None = None
+    call_status: CallStatus | None = None
+    tool_arguments: str | None = None
+    tool_output: str | None = None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> SessionMessage:
+        """Build the view from a ``dex_messages`` row (as a mapping)."""
+        return cls(
+            id=row["id"], session_id=row["session_id"], role=MessageRole(row["role"]),
+            text=row["text"], created_at=_dt(row["created_at"]), status=row["status"],
+            delivered_at=_dt(row["delivered_at"]), turn_id=row["turn_id"],
+            tool_call_id=row["tool_call_id"], tool=row["tool"], key=row["key"],
+            call_status=CallStatus(row["call_status"]) if row["call_status"] else None,
+            tool_arguments=row["tool_arguments"], tool_output=row["tool_output"],
+        )
+
+
+class AgentSnapshot(BaseModel):
+    """A session as it stands: its tool calls, its transcript (``messages``: user, assistant
+    and tool messages, oldest first), pending approvals and decided ones."""
+
+    session_id: str
+    tool_calls: list[ToolCallRecord]
+    messages: list[SessionMessage] = []
+    pending_interrupts: list[PendingInterrupt] = []
+    decided: list[Decision] = []

@@ -1,0 +1,510 @@
+"""The bodies of the two task kinds, and the decisions on lost attempts.
+
+Retrying path (``read``, ``idempotent_write``): acknowledged late; a lost child's message is
+requeued by Celery (``reject_on_worker_lost``). Celery puts no cap on that, so every claim
+counts an attempt in the store and a delivery past ``max_attempts`` ends the call instead.
+
+Single-attempt path (``non_idempotent_write``, ``unclassified``): acknowledged early; a Redis
+``SET NX`` claim turns duplicate deliveries away cheaply, and the store's compare-and-set claim
+decides. Once a call is ``running`` it is never run again: a lost child or a hard time limit
+ends it ``outcome_unknown``.
+
+A child that is killed runs none of its own hooks, so the worker's main process handles the
+loss (``main_process.DexRequest``, calling :func:`handle_lost_attempt`). A whole worker that
+dies runs nothing at all; its leases stop being renewed and the reaper in ``sweeps.py``
+finishes the job.
+
+Each body records its outcome in the store first and then tells Celery
+(``task_states.report``), so that Celery's own state for the message (what Flower and
+``celery events`` show) agrees with the call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, cast
+
+import redis
+from billiard.exceptions import SoftTimeLimitExceeded
+from celery import Celery, Task
+
+from dex_tasks.broker import notify
+from dex_tasks.broker.celery_app import publish
+from dex_tasks.broker.redis_clients import connector, redis_client
+from dex_tasks.errors import OutcomeUnknownError, TransientToolError
+from dex_tasks.policy import EffectClass
+from dex_tasks.registry import InvalidArguments, ToolContext, get_local_tool, strings_problem
+from dex_tasks.settings import DexSettings
+from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
+from dex_tasks.store import INHERITED, Move, Store
+from dex_tasks.store.models import ToolCallRow
+from dex_tasks.worker import claims, retry
+from dex_tasks.worker.task_states import Outcome, failure, ignored, report
+
+log = logging.getLogger("dex_tasks.worker.execution")
+
+
+@dataclass
+class Runtime:
+    """The per-process connections a worker uses. Created lazily, after the fork."""
+
+    settings: DexSettings
+    store: Store
+    redis: redis.Redis
+    app: Celery
+
+    def __post_init__(self) -> None:
+        # Every runtime ends calls (worker children, the main process, sweeps): announce each
+        # one on Redis after its commit, which wakes its waiters and counts it for /metrics.
+        notify.install(self.store, self.settings.redis_url, connector(self.settings))
+
+
+_runtime: Runtime | None = None
+# The threads pool (and beat's sweep threads) may ask for the runtime from many threads at once.
+_runtime_lock = threading.Lock()
+
+
+def runtime(app: Celery) -> Runtime:
+    """This process's runtime, created on first use."""
+    global _runtime
+    current = _runtime
+    if current is not None and current.app is app:
+        return current
+    with _runtime_lock:
+        if _runtime is None or _runtime.app is not app:
+            settings: DexSettings = app.dex_settings  # type: ignore[attr-defined]
+            _runtime = Runtime(
+                settings=settings,
+                store=Store(settings.database_url,
+                            retry_seconds=settings.store_retry_seconds),
+                redis=redis_client(settings, socket_timeout=10),
+                app=app,
+            )
+        return _runtime
+
+
+def reset_runtime() -> None:
+    """Start over with connections of this process's own (in a forked child).
+
+    The inherited runtime is kept referenced, not closed: closing its connections here would
+    close the parent's (see ``store.INHERITED``).
+    """
+    global _runtime
+    if _runtime is not None:
+        INHERITED.append(_runtime)
+    _runtime = None
+
+
+def owner_id(hostname: str | None, pid: int | None) -> str:
+    """How a running call names the process that runs it: ``<worker node>:<child pid>``."""
+    return f"{hostname}:{pid}"
+
+
+def current_owner(hostname: str | None) -> str:
+    """The owner id of the attempt this thread runs.
+
+    ``<node>:<pid>`` in a process that runs one call at a time (a prefork child), and
+    ``<node>:<pid>:<thread id>`` in a pool thread: the threads of one process must never share
+    an owner id, or a thread abandoned at its time limit could still finish the attempt that
+    another thread of the same worker runs now.
+    """
+    owner = owner_id(hostname, os.getpid())
+    if threading.current_thread() is threading.main_thread():
+        return owner
+    return f"{owner}:{threading.get_native_id()}"
+
+
+# -- ending calls -------------------------------------------------------------------------------
+
+
+def _dump_result(value: Any) -> str:
+    # A NUL or a lone surrogate in a string: PostgreSQL's jsonb cannot hold it (see sqljson).
+    problem = strings_problem(value, "its result")
+    if problem:
+        raise ValueError(problem)
+    # allow_nan=False: NaN would be stored as JSON no other reader accepts (the API says null).
+    return json.dumps(value, default=_unserialisable, allow_nan=False)
+
+
+def _unserialisable(value: Any) -> Any:
+    raise TypeError(f"tool returned a value of type {type(value).__name__}, not JSON")
+
+
+def did_not_run(store: Store, call: ToolCallRow, why: str) -> bool:
+    """End a queued call whose next attempt cannot start (expired, invalid, no tool here).
+
+    Only a call that no attempt ever reached gets the "did not run" error. A retrying call
+    queued again after a transient error or a lost worker did reach the tool, so it ends as
+    if its attempts ran out: a read ``failed``, a write ``outcome_unknown``. The ``attempts``
+    guard keeps a claim that lands between our read and this write from being mislabelled.
+    """
+    move = did_not_run_move(call, why)
+    return store.transition(move.key, move.to, allowed={CallStatus.QUEUED}, match=move.match,
+                            values=move.values, detail=move.detail)
+
+
+def did_not_run_move(call: ToolCallRow, why: str) -> Move:
+    """How :func:`did_not_run` ends ``call`` (for the sweeps' set-based transitions)."""
+    if call.attempts == 0:
+        error = f"{TOOL_DID_NOT_RUN}: {why}"
+        to, reason = CallStatus.FAILED, "did_not_run"
+    else:
+        decision = retry.after_worker_lost(
+            EffectClass(call.effect), call.attempts, call.attempts,
+            f"{why}, after {call.attempts} attempt(s) had reached the tool",
+        )
+        assert decision.status is not None
+        to, error, reason = decision.status, decision.error or why, "next_attempt_not_started"
+    return Move(call.key, to, match={"attempts": call.attempts}, values={"error": error},
+                detail={"reason": reason, "why": why})
+
+
+def _end_unstarted(rt: Runtime, call: ToolCallRow, why: str) -> Outcome:
+    """:func:`did_not_run` from a delivery, as the outcome Celery is told of."""
+    move = did_not_run_move(call, why)
+    if rt.store.transition(move.key, move.to, allowed={CallStatus.QUEUED}, match=move.match,
+                           values=move.values, detail=move.detail):
+        return Outcome(move.to, move.values["error"])
+    return Outcome(None, why=_RACED)
+
+
+def handle_lost_attempt(
+    rt: Runtime, key: str, owner: str | None, reason: str, *, republish: bool
+) -> CallStatus | None:
+    """A running attempt is gone (child killed, hard time limit, a thread abandoned at its
+    limit).
+
+    Only acts while the call is still ``running`` under that owner: the child may have
+    finished the work and recorded it just before dying, and a later attempt may own the call
+    by now. ``republish`` sends a new message for a retry (for a lost child or a hard time
+    limit on the retrying path, Celery requeues the message itself). Returns the status it
+    moved the call to. (The reaper does the same for many calls at once, set-based, with
+    :func:`lost_attempt_move`.)
+    """
+    call = rt.store.get_call(key)
+    if call is None or call.status != CallStatus.RUNNING.value:
+        return None
+    if owner is not None and call.worker != owner:
+        return None
+    move = lost_attempt_move(call, reason, time.time())
+    if not rt.store.transition(key, move.to, allowed={CallStatus.RUNNING}, match=move.match,
+                               values=move.values, detail=move.detail):
+        return None
+    after_lost_attempt(rt, call, move, republish=republish)
+    return move.to
+
+
+def lost_attempt_move(call: ToolCallRow, reason: str, now: float) -> Move:
+    """Where a call goes when its running attempt is lost: back to ``queued`` while attempts
+    are left on the retrying path, else the ending its effect class gives (``retry.py``).
+    Guarded on the attempt's owner and number, so a later attempt is never touched."""
+    decision = retry.after_worker_lost(EffectClass(call.effect), call.attempts,
+                                       call.max_attempts, reason)
+    guard = {"worker": call.worker, "attempts": call.attempts}
+    detail = {"reason": "attempt_lost", "attempt": call.attempts, "why": reason}
+    if decision.retry:
+        return Move(call.key, CallStatus.QUEUED, match=guard, detail=detail,
+                    values={"worker": None, "lease_expires_at": None, "published_at": now})
+    assert decision.status is not None
+    return Move(call.key, decision.status, match=guard, values={"error": decision.error},
+                detail=detail)
+
+
+def after_lost_attempt(rt: Runtime, call: ToolCallRow, move: Move, *, republish: bool) -> None:
+    """Log a lost attempt's move, and send the retry's message when one is needed."""
+    if move.to is not CallStatus.QUEUED:
+        log.info("attempt lost, call ended", extra={"action": "attempt_lost", "key": call.key,
+                                                     "status": move.to.value})
+        return
+    if republish:
+        try:
+            publish(rt.app, call)
+        except Exception:  # noqa: BLE001 - the republisher sweep picks it up
+            log.warning("republish failed", extra={"action": "republish_failed",
+                                                   "key": call.key})
+    log.info("attempt lost, retrying", extra={"action": "attempt_lost", "key": call.key})
+
+
+def _exhausted_before_claim(rt: Runtime, call: ToolCallRow, why: str) -> Outcome:
+    """A queued retrying call delivered again after every attempt was used (by worker loss)."""
+    decision = retry.after_worker_lost(
+        EffectClass(call.effect), call.attempts, call.max_attempts, why)
+    assert decision.status is not None
+    if rt.store.transition(
+        call.key, decision.status, allowed={CallStatus.QUEUED},
+        match={"attempts": call.attempts},
+        values={"error": decision.error}, detail={"reason": "attempts_exhausted"},
+    ):
+        return Outcome(decision.status, decision.error)
+    return Outcome(None, why=_RACED)
+
+
+# -- running a call -----------------------------------------------------------------------------
+
+
+class _CannotRun(Exception):
+    """The claimed call cannot run here: its claim is rolled back and the call is ended."""
+
+    def __init__(self, why: str, call: ToolCallRow, *, exhausted: bool = False) -> None:
+        super().__init__(why)
+        self.why = why
+        self.call = call
+        self.exhausted = exhausted
+
+
+Claimed = tuple[ToolCallRow, Any, dict[str, Any]]
+
+
+def _claim(rt: Runtime, key: str, owner: str) -> Claimed | Outcome | None:
+    """The store's compare-and-set claim, queued -> running, and the checks before a tool runs.
+
+    One transaction on the common path, and no read before it: the claim's UPDATE returns the
+    whole call, and the checks run inside the same transaction on what it returned. A call
+    that cannot run here (expired in the queue, no such tool in this worker, invalid
+    arguments, attempts used up) has its claim rolled back, so it is still ``queued`` with its
+    attempts untouched, and is then ended "did not run" (or as if its attempts ran out) in a
+    transaction of its own: the :class:`Outcome` of that is returned. Otherwise the call as
+    claimed (``attempts`` is this attempt's number), the tool and the validated arguments;
+    None for a call that was not queued (a duplicate delivery, a call that ended).
+    """
+    now = time.time()
+
+    def vet(row: Any) -> tuple[Any, dict[str, Any]]:
+        # ``now`` is the claim's, not read again here: a claim retried after its connection
+        # was lost must decide as the try that committed did.
+        tool = get_local_tool(row.tool)
+        if row.expires_at is not None and now > row.expires_at:
+            why = "it expired in the queue before a worker started it"
+        elif tool is None:
+            why = f"no worker that took it has the tool {row.tool!r}"
+        else:
+            try:
+                arguments = tool.validate(json.loads(row.arguments))
+            except InvalidArguments as err:
+                why = str(err)
+            else:
+                if row.attempts <= row.max_attempts:
+                    return tool, arguments
+                raise _CannotRun(f"the worker was lost during each of the {row.attempts - 1} "
+                                 "attempts", _before_claim(row), exhausted=True)
+        raise _CannotRun(why, _before_claim(row))
+
+    try:
+        claimed = rt.store.claim(key, owner, rt.settings.lease_seconds, vet, now=now)
+    except _CannotRun as refused:
+        if refused.exhausted:
+            return _exhausted_before_claim(rt, refused.call, refused.why)
+        return _end_unstarted(rt, refused.call, refused.why)
+    if claimed is None:
+        # Another delivery owns it, or it is finished: a duplicate changes nothing.
+        log.info("duplicate delivery ignored", extra={"action": "duplicate_delivery", "key": key})
+        return None
+    row, (tool, arguments) = claimed
+    return cast(ToolCallRow, row), tool, arguments
+
+
+def _before_claim(row: Any) -> ToolCallRow:
+    """The call as it was before the claim that returned ``row`` (which is rolled back)."""
+    return ToolCallRow.model_validate({
+        **row._mapping, "status": CallStatus.QUEUED.value, "attempts": row.attempts - 1,
+        "worker": None, "lease_expires_at": None, "prev_status": None})
+
+
+def _finish(rt: Runtime, key: str, owner: str, to: CallStatus, **values: Any) -> bool:
+    reason = values.pop("reason", None)
+    return rt.store.transition(
+        key, to, allowed={CallStatus.RUNNING}, match={"worker": owner},
+        values=values, detail={"reason": reason} if reason else None,
+    )
+
+
+def _end(rt: Runtime, key: str, owner: str, to: CallStatus, error: str | None,
+         reason: str) -> Outcome:
+    """End the running attempt ``owner`` holds: the call becomes ``to`` with ``error``."""
+    if _finish(rt, key, owner, to, error=error, reason=reason):
+        return Outcome(to, error)
+    return Outcome(None, why=_SUPERSEDED)
+
+
+def _context(call: ToolCallRow, attempt: int) -> ToolContext:
+    return ToolContext(
+        idempotency_key=call.key,
+        session_id=call.session_id,
+        turn_id=call.turn_id,
+        tool_call_id=call.tool_call_id,
+        attempt=attempt,
+    )
+
+
+def _succeed(rt: Runtime, key: str, owner: str, value: Any) -> Outcome:
+    try:
+        dumped = _dump_result(value)
+    except (TypeError, ValueError) as err:
+        # The tool ran; its effect happened even though its result cannot be recorded.
+        return _end(rt, key, owner, CallStatus.FAILED, f"the tool ran but {err}",
+                    "result_not_json")
+    if _finish(rt, key, owner, CallStatus.SUCCEEDED, result=dumped):
+        return Outcome(CallStatus.SUCCEEDED)
+    return Outcome(None, why=_SUPERSEDED)
+
+
+_DUPLICATE = ("duplicate delivery: the call was not queued (another delivery owns it, it has "
+              "ended, or it is not in the store)")
+_RACED = "another delivery or a sweep changed the call first"
+_SUPERSEDED = ("the tool returned, but its attempt had been ended or taken over meanwhile (its "
+               "lease ran out); this attempt's outcome was not recorded")
+
+
+# -- the task bodies ----------------------------------------------------------------------------
+
+
+def run_retrying(task: Task, key: str) -> None:
+    """Body of the retrying task kind."""
+    rt = runtime(task.app)
+    owner = current_owner(task.request.hostname)
+    claimed = _claim(rt, key, owner)
+    if not isinstance(claimed, tuple):
+        _report_unclaimed(task, key, claimed)
+        return
+    call, tool, arguments = claimed
+    report(task, call, _attempt_retrying(rt, call, tool, arguments, owner, call.attempts))
+
+
+def _report_unclaimed(task: Task, key: str, outcome: Outcome | None) -> None:
+    """Tell Celery about a delivery that ran no tool: it ended the call here (FAILURE), or it
+    changed nothing (IGNORED)."""
+    if outcome is None or outcome.status is None:
+        raise ignored(task, key, _DUPLICATE if outcome is None else (outcome.why or _RACED))
+    raise failure(outcome.status, outcome.error)
+
+
+def _attempt_retrying(rt: Runtime, call: ToolCallRow, tool: Any, arguments: dict[str, Any],
+                      owner: str, attempt: int) -> Outcome:
+    key = call.key
+    try:
+        value = tool(_context(call, attempt), **arguments)
+    except OutcomeUnknownError as err:
+        return _outcome_unknown(rt, key, owner, err)
+    except (TransientToolError, SoftTimeLimitExceeded) as err:
+        message = _error_text(err) if isinstance(err, TransientToolError) else (
+            f"the tool hit its soft time limit of {call.time_limit}s"
+        )
+        decision = retry.after_transient_error(
+            EffectClass(call.effect), attempt, call.max_attempts, message,
+            base=rt.settings.retry_backoff_base_seconds,
+            cap=rt.settings.retry_backoff_max_seconds,
+            retry_after=getattr(err, "retry_after", None),
+        )
+        if decision.retry:
+            return _schedule_retry(rt, call, owner, attempt, decision.delay, message, err)
+        if isinstance(err, SoftTimeLimitExceeded):
+            # Stopped part-way on its last attempt: a read has no effect to be unsure about,
+            # but an interrupted write may have taken effect, so it ends outcome_unknown.
+            lost = retry.after_worker_lost(EffectClass(call.effect), attempt,
+                                           call.max_attempts, message)
+            assert lost.status is not None
+            return _end(rt, key, owner, lost.status, lost.error, "attempts_exhausted")
+        return _end(rt, key, owner, CallStatus.FAILED, decision.error, "attempts_exhausted")
+    except SystemExit:
+        # The process is exiting (the worker is stopping it, or the tool called sys.exit):
+        # that is a lost worker, which the main process records (DexRequest).
+        raise
+    except BaseException as err:  # noqa: BLE001 - see _tool_error
+        return _tool_error(rt, key, owner, err)
+    return _succeed(rt, key, owner, value)
+
+
+def _tool_error(rt: Runtime, key: str, owner: str, err: BaseException) -> Outcome:
+    """Any other exception from the tool ends the call ``failed`` with its text, at once.
+
+    That includes ``BaseException``s that are not ``Exception``s (``KeyboardInterrupt``, which
+    in a worker's child can only come from the tool since the child ignores SIGINT, or a
+    library's own): they are not transient, so the retrying path does not retry them either
+    (the same rule as any non-transient error). Caught here, they never reach billiard, so the
+    child stays and serves the next call. Celery's own exceptions raised by a tool (``Retry``,
+    ``Ignore``, ``Reject``, ``WorkerLostError``...) are the tool's errors too: the task is
+    ours, and only the body's own ``Task.retry`` / ``Ignore`` mean what Celery means by them.
+    """
+    return _end(rt, key, owner, CallStatus.FAILED, _error_text(err), "tool_error")
+
+
+def _schedule_retry(
+    rt: Runtime, call: ToolCallRow, owner: str, attempt: int, delay: float, message: str,
+    cause: BaseException,
+) -> Outcome:
+    # published_at is set to when the message becomes due, so the republisher does not treat
+    # a call waiting out its backoff as stranded. The store says queued before Celery sends
+    # the retry (report), so the retry's delivery always finds the call ready to claim.
+    due = time.time() + delay
+    if not rt.store.transition(
+        call.key, CallStatus.QUEUED, allowed={CallStatus.RUNNING},
+        match={"worker": owner, "attempts": attempt},
+        values={"worker": None, "lease_expires_at": None, "published_at": due},
+        detail={"reason": "transient_error", "attempt": attempt, "retry_in": round(delay, 3),
+                "error": message},
+    ):
+        return Outcome(None, why=_SUPERSEDED)
+    # Celery's RETRY carries a plain copy of the error: the tool's own exception (a subclass
+    # with another constructor) might not pickle on its way to the worker's main process.
+    plain: BaseException = (TransientToolError(str(cause)) if isinstance(cause, TransientToolError)
+                            else SoftTimeLimitExceeded(message))
+    return Outcome(CallStatus.QUEUED, message, retry_in=delay, cause=plain)
+
+
+def run_single_attempt(task: Task, key: str) -> None:
+    """Body of the single-attempt task kind."""
+    rt = runtime(task.app)
+    owner = current_owner(task.request.hostname)
+    # The Redis claim first: it turns a duplicate away without a store round trip. A worker
+    # that dies between the two claims leaves the call queued, untouched by any tool, behind
+    # a claim the republisher recognises as dead ("did not run").
+    if not claims.try_claim(rt.redis, key, owner, rt.settings.claim_ttl_seconds):
+        log.info("claim taken, duplicate ignored", extra={"action": "duplicate_delivery",
+                                                          "key": key})
+        raise ignored(task, key, _DUPLICATE)
+    claimed = _claim(rt, key, owner)
+    if not isinstance(claimed, tuple):
+        _report_unclaimed(task, key, claimed)
+        return
+    call, tool, arguments = claimed
+    report(task, call, _attempt_once(rt, call, tool, arguments, owner, call.attempts))
+
+
+def _attempt_once(rt: Runtime, call: ToolCallRow, tool: Any, arguments: dict[str, Any],
+                  owner: str, attempt: int) -> Outcome:
+    key = call.key
+    try:
+        value = tool(_context(call, attempt), **arguments)
+    except OutcomeUnknownError as err:
+        return _outcome_unknown(rt, key, owner, err)
+    except SoftTimeLimitExceeded:
+        # Interrupted part-way: whatever it had done stays done, and we cannot tell how much.
+        status = handle_lost_attempt(
+            rt, key, owner, f"the tool was stopped by its time limit of {call.time_limit}s",
+            republish=False)
+        if status is None:
+            return Outcome(None, why=_SUPERSEDED)
+        ended = rt.store.get_call(key)
+        return Outcome(status, ended.error if ended else None)
+    except SystemExit:
+        raise  # a lost worker: see _attempt_retrying
+    except BaseException as err:  # noqa: BLE001 - see _tool_error
+        return _tool_error(rt, key, owner, err)
+    return _succeed(rt, key, owner, value)
+
+
+def _outcome_unknown(rt: Runtime, key: str, owner: str, err: OutcomeUnknownError) -> Outcome:
+    # The tool itself says it cannot tell: no retry, whatever the path and attempts left.
+    reason = f"the tool could not tell whether its effect happened ({_error_text(err)})"
+    return _end(rt, key, owner, CallStatus.OUTCOME_UNKNOWN, retry.outcome_unknown_text(reason),
+                "tool_outcome_unknown")
+
+
+def _error_text(err: BaseException) -> str:
+    text = str(err)
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
