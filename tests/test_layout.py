@@ -104,7 +104,8 @@ def test_the_check_sees_each_kind_of_wrong_import(tmp_path: Path) -> None:
         "agent/__init__.py": "",
         "agent/client.py": "from dex_tasks.worker.sweeps import run\n",
         "worker/__init__.py": "",
-        "worker/sweeps.py": "from dex_tasks.store.models import Row\nfrom dex_tasks import DexClient\n",
+        "worker/sweeps.py": ("from dex_tasks.store.models import Row\n"
+                             "from dex_tasks import DexClient\n"),
         "api/__init__.py": "",
         "ops/__init__.py": "",
         "integrations/__init__.py": "",
@@ -117,7 +118,8 @@ def test_the_check_sees_each_kind_of_wrong_import(tmp_path: Path) -> None:
     assert violations(root) == [
         "dex_tasks.agent.client (agent) imports dex_tasks.worker.sweeps (worker)",
         "dex_tasks.errors (core) imports dex_tasks.store.models (store)",
-        "dex_tasks.integrations.x imports dex_tasks.agent.client: integrations use `dex_tasks` only",
+        "dex_tasks.integrations.x imports dex_tasks.agent.client: "
+        "integrations use `dex_tasks` only",
         "dex_tasks.store.models (store) imports dex_tasks.worker.sweeps (worker)",
         "dex_tasks.worker.sweeps imports the package root (use the defining module)",
     ]
