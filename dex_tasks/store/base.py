@@ -1,0 +1,250 @@
+"""The store's connections: engines, transactions, retries across a lost connection, hooks.
+
+:class:`StoreBase` is what every part of :class:`~dex_tasks.store.Store` builds on: a write
+transaction hands the calls it ended to the ``on_calls_ended`` hooks once it has committed
+(never before: that is how waiters are woken and ended calls counted, ``broker/notify.py``,
+with no Redis import here), and ``_retrying`` runs an operation again on a new connection
+while the error is one a retry can cure.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
+
+from dex_tasks.errors import StoreUnavailableError
+from dex_tasks.states import CallStatus
+from dex_tasks.store.connections import (
+    FORK_GUARD,
+    retryable,
+    server_engine,
+    sqlite_engine,
+)
+from dex_tasks.store.tables import STORE_NOW
+
+log = logging.getLogger("dex_tasks.store")
+
+T = TypeVar("T")
+
+# Retrying a transaction across a reconnect: the first pause, and the longest.
+RETRY_FIRST_PAUSE = 0.05
+RETRY_MAX_PAUSE = 0.5
+
+
+@dataclass(frozen=True)
+class EndedCall:
+    """A call a committed transaction ended: what the ``on_calls_ended`` hooks are given."""
+
+    key: str
+    session_id: str
+    tool: str
+    effect: str
+    status: CallStatus
+    created_at: float
+    finished_at: float
+
+
+EndedHook = Callable[[Sequence[EndedCall]], None]
+
+# Where a write transaction collects the calls it ends, until it has committed (conn.info).
+ENDED_CALLS = "dex_ended_calls"
+
+
+def note_ended(conn: Connection, key: str, to: CallStatus, row: Any, now: float) -> None:
+    """Remember that this transaction ends call ``key`` (``row``: what its UPDATE returned),
+    for the hooks that run once it has committed (see :meth:`Store.committing`)."""
+    ended = conn.info.get(ENDED_CALLS)
+    if ended is not None:
+        ended.append(EndedCall(key=key, session_id=row.session_id, tool=row.tool,
+                               effect=row.effect, status=to, created_at=row.created_at,
+                               finished_at=now))
+
+
+class StoreBase:
+    """Access to the SQL store. Safe across fork: a child opens connections of its own.
+
+    ``retry_seconds`` bounds how long the store's own operations (transitions, the claim,
+    lease renewals, single-call reads and inserts) keep trying across lost connections and a
+    busy database. ``ping_after_idle`` tests a pooled server connection that sat idle that
+    many seconds before using it; for processes that idle (see
+    ``connections.server_engine``).
+    """
+
+    def __init__(self, database_url: str, *, retry_seconds: float = 5.0,
+                 ping_after_idle: float | None = None) -> None:
+        self.url = database_url
+        self.retry_seconds = retry_seconds
+        self.is_sqlite = database_url.startswith("sqlite")
+        if self.is_sqlite:
+            self.engine = sqlite_engine(database_url, immediate=True)
+            self.read_engine = sqlite_engine(database_url, immediate=False)
+        else:
+            self.engine = server_engine(database_url, ping_after_idle=ping_after_idle)
+            self.read_engine = self.engine
+        self.is_postgres = self.engine.dialect.name == "postgresql"
+        self._ended_hooks: list[EndedHook] = []
+
+    def on_calls_ended(self, hook: EndedHook) -> None:
+        """Run ``hook`` with the calls each committed write transaction ended, after its commit.
+
+        Hooks run in the committing thread, in the order they were added, each guarded: one
+        that raises is logged and the others still run. ``hook`` is added once, however often
+        it is passed.
+        """
+        if hook not in self._ended_hooks:
+            self._ended_hooks.append(hook)
+
+    def ended_hooks(self) -> list[EndedHook]:
+        """The hooks added with :meth:`on_calls_ended`, in order."""
+        return list(self._ended_hooks)
+
+    def _calls_ended(self, ended: Sequence[EndedCall]) -> None:
+        for hook in self._ended_hooks:
+            try:
+                hook(ended)
+            except Exception:
+                log.exception("a hook on ended calls failed",
+                              extra={"action": "ended_hook_error", "calls": len(ended)})
+
+    def create_all(self) -> None:
+        """Make the schema ready for this release (what every process does at start).
+
+        An empty database is migrated to head; one at head is left as it is; anything else
+        raises ``SchemaOutOfDateError`` naming ``dex-tasks db upgrade``. The migrations
+        (``schema.py``) build the tables, never ``metadata.create_all``, so every database
+        records its revision; concurrent first starts are serialised there.
+        """
+        from dex_tasks.store import schema  # schema.py needs only this class's read/write
+
+        schema.prepare(self)
+
+    def _fork_safe(self) -> AbstractContextManager[None]:
+        return FORK_GUARD.transaction() if self.is_sqlite else nullcontext()
+
+    def close(self) -> None:
+        """Close the pooled connections (this process is done with the store)."""
+        self.engine.dispose()
+        if self.read_engine is not self.engine:
+            self.read_engine.dispose()
+
+    def _unavailable(self, err: SQLAlchemyError) -> StoreUnavailableError:
+        cause = err.orig if isinstance(err, DBAPIError) else err
+        return StoreUnavailableError(
+            f"the store at {self.safe_url} failed: {type(err).__name__}: {cause}")
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        try:
+            yield
+        except IntegrityError:
+            raise
+        except (DBAPIError, SQLAlchemyError) as err:
+            raise self._unavailable(err) from err
+
+    @property
+    def safe_url(self) -> str:
+        """The database URL without its password, for messages and logs."""
+        return make_url(self.url).render_as_string(hide_password=True)
+
+    @contextmanager
+    def write(self) -> Iterator[Connection]:
+        """A write transaction; commits on success, rolls back on error.
+
+        The calls it ended go to the ``on_calls_ended`` hooks once it has committed (and
+        nowhere if it rolled back).
+        """
+        with self._fork_safe(), self._errors(), self.committing(self.engine) as conn:
+            yield conn
+
+    @contextmanager
+    def committing(self, engine: Engine) -> Iterator[Connection]:
+        """``engine.begin()`` that, once the transaction has committed, hands the calls it
+        ended (:func:`note_ended`) to the ``on_calls_ended`` hooks. Every write transaction
+        that may end a call opens through here."""
+        ended: list[EndedCall] = []
+        with engine.begin() as conn:
+            conn.info[ENDED_CALLS] = ended
+            try:
+                yield conn
+            except BaseException:
+                # Best effort only: on a connection that was just lost, even reading
+                # ``conn.info`` raises (PendingRollbackError), and that must not replace the
+                # error a retry is decided on. A stale list left behind is replaced by the next
+                # write transaction on that connection, and read ones never add to it.
+                with suppress(Exception):
+                    conn.info.pop(ENDED_CALLS, None)
+                raise
+            conn.info.pop(ENDED_CALLS, None)
+        if ended:
+            self._calls_ended(ended)
+
+    @contextmanager
+    def read(self) -> Iterator[Connection]:
+        """A read-only transaction."""
+        with self._fork_safe(), self._errors(), self.read_engine.connect() as conn:
+            yield conn
+
+    def _retrying(self, op: Callable[[Connection, int], T], *, read: bool = False) -> T:
+        """Run ``op(conn, attempt)`` in a transaction of its own, and again on a new connection
+        while the error is one a retry can cure (``connections.retryable``), for up to
+        ``retry_seconds``; then :class:`StoreUnavailableError`.
+
+        ``attempt`` counts from 1. Above 1, an earlier try may have committed before its
+        connection was lost (during COMMIT): an ``op`` that must not write twice checks.
+        """
+        engine = self.read_engine if read else self.engine
+        deadline = time.monotonic() + self.retry_seconds
+        pause = RETRY_FIRST_PAUSE
+        attempt = 1
+        while True:
+            try:
+                with self._fork_safe(), (engine.connect() if read
+                                         else self.committing(engine)) as conn:
+                    return op(conn, attempt)
+            except IntegrityError:
+                raise
+            except DBAPIError as err:
+                if (not retryable(err, sqlite=self.is_sqlite)
+                        or time.monotonic() + pause > deadline):
+                    raise self._unavailable(err) from err
+                log.warning("store connection lost or busy; trying again", extra={
+                    "action": "store_retry", "attempt": attempt,
+                    "error": f"{type(err.orig).__name__}: {str(err.orig).strip()[:200]}"})
+            except SQLAlchemyError as err:
+                raise self._unavailable(err) from err
+            time.sleep(pause)
+            pause = min(pause * 2, RETRY_MAX_PAUSE)
+            attempt += 1
+
+    # -- the store's clock ----------------------------------------------------------------------
+
+    def store_time(self) -> float:
+        """The store's clock now (``connections.store_now``): what leases are judged by."""
+        return float(self._retrying(lambda conn, _: conn.execute(STORE_NOW).scalar_one(),
+                                    read=True))
+
+    def writable_at(self) -> float:
+        """Take the store's write lock (on SQLite; a round trip on PostgreSQL) and return the
+        store's time at that moment: a point after which every writer that was waiting for
+        the lock, or for the server, can go on."""
+        return float(self._retrying(lambda conn, _: conn.execute(STORE_NOW).scalar_one()))
+
+    def reading(self, read: Callable[[Connection], T]) -> T:
+        """``read(conn)`` in a read-only transaction, run again on a new connection when the
+        connection is lost (a read is always safe to repeat), for up to ``retry_seconds``.
+        ``read`` must return plain values, not result objects tied to the connection."""
+        return self._retrying(lambda conn, _: read(conn), read=True)
+
+    def _fetch(self, stmt: Any) -> list[dict[str, Any]]:
+        """Every row of a read-only statement, as dicts; retried across a lost connection like
+        the store's writes (a read is always safe to run again). For the reads an agent
+        process makes between its calls, which must not fail on a connection the server has
+        just closed while a new one would answer."""
+        return self.reading(lambda conn: [dict(r) for r in conn.execute(stmt).mappings()])

@@ -1,0 +1,186 @@
+"""New calls, and the reads of calls, events and the catalog.
+
+A new call is inserted with its first event (and its interrupt) in one transaction; reads are
+retried across a lost connection like the writes (a read is always safe to run again).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import IntegrityError
+
+from dex_tasks.store.base import StoreBase
+from dex_tasks.store.models import CallEventRow, CatalogRow, ToolCallRow
+from dex_tasks.store.tables import (
+    CALLS,
+    CATALOG,
+    EVENTS,
+    INSERT_CALL,
+    INSERT_EVENT,
+    INSERT_INTERRUPT,
+)
+
+_GET_CALL = select(CALLS).where(CALLS.c.key == bindparam("get_key"))
+
+
+def requested_event(row: Mapping[str, Any],
+                     requested: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The first event of a new call; its detail keeps the request's options."""
+    return {"session_id": row["session_id"], "key": row["key"], "event": "tool_call_requested",
+            "from_status": None, "to_status": row["status"],
+            "detail": json.dumps({"request": dict(requested)}, sort_keys=True)
+            if requested is not None else None,
+            "created_at": row["created_at"]}
+
+
+
+class Calls(StoreBase):
+    """Inserts and reads of :class:`~dex_tasks.store.Store`."""
+
+    def insert_call(
+        self, row: Mapping[str, Any], interrupt: Mapping[str, Any] | None = None, *,
+        requested: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Insert a new call (and its interrupt) with its first event; False if the key exists.
+
+        ``requested``: the request's options, kept as that event's detail (a repeat of the
+        request is compared with them, see :meth:`requested_options`). Retried across a lost
+        connection; when a retry finds the key taken by the very row this call inserted (an
+        earlier try committed), that is an insert, not an existing call.
+        """
+        tries = 0
+
+        def attempt(conn: Connection, n: int) -> None:
+            nonlocal tries
+            tries = n
+            conn.execute(INSERT_CALL, dict(row))
+            if interrupt is not None:
+                conn.execute(INSERT_INTERRUPT, dict(interrupt))
+            conn.execute(INSERT_EVENT, requested_event(row, requested))
+
+        try:
+            self._retrying(attempt)
+        except IntegrityError:
+            if tries > 1:
+                stored = self.get_call(row["key"])
+                return stored is not None and (stored.created_at, stored.arguments) == (
+                    row["created_at"], row["arguments"])
+            return False
+        return True
+
+    def insert_calls(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        interrupts: Sequence[Mapping[str, Any]] = (),
+        *,
+        requested: Mapping[str, Any] | None = None,
+        then: Callable[[Connection], None] | None = None,
+    ) -> bool:
+        """Insert several new calls (and their interrupts) with their first events in ONE
+        transaction; False, with nothing written, if any of the keys exists already.
+
+        ``then(conn)`` runs in the same transaction after the inserts (the client ends calls
+        with invalid arguments there), so the whole batch commits or none of it does. Retried
+        across a lost connection like :meth:`insert_call`: when a retry finds the first key
+        taken by the very row this batch inserted, an earlier try committed the whole batch.
+        """
+        if not rows:
+            return True
+        tries = 0
+
+        def attempt(conn: Connection, n: int) -> None:
+            nonlocal tries
+            tries = n
+            conn.execute(INSERT_CALL, [dict(r) for r in rows])
+            if interrupts:
+                conn.execute(INSERT_INTERRUPT, [dict(i) for i in interrupts])
+            conn.execute(INSERT_EVENT, [requested_event(r, requested) for r in rows])
+            if then is not None:
+                then(conn)
+
+        try:
+            self._retrying(attempt)
+        except IntegrityError:
+            if tries > 1:
+                first = rows[0]
+                stored = self.get_call(first["key"])
+                return stored is not None and (stored.created_at, stored.arguments) == (
+                    first["created_at"], first["arguments"])
+            return False
+        return True
+
+    def requested_options(self, keys: Sequence[str]) -> dict[str, dict[str, Any] | None]:
+        """The request options each call was recorded with (its first event's detail), by key;
+        None for a call recorded before options were kept."""
+        if not keys:
+            return {}
+        rows = self._fetch(
+            select(EVENTS.c.key, EVENTS.c.detail)
+            .where(EVENTS.c.key.in_(list(keys)), EVENTS.c.event == "tool_call_requested"))
+        found: dict[str, dict[str, Any] | None] = {}
+        for row in rows:
+            loaded = json.loads(row["detail"]) if row["detail"] else None
+            found[row["key"]] = loaded.get("request") if isinstance(loaded, dict) else None
+        return found
+
+    def get_calls(self, keys: Sequence[str]) -> dict[str, ToolCallRow]:
+        """The stored calls among ``keys`` (one read), by key; missing keys are left out."""
+        if not keys:
+            return {}
+        rows = self._fetch(select(CALLS).where(CALLS.c.key.in_(list(keys))))
+        return {r["key"]: ToolCallRow.model_validate(r) for r in rows}
+
+    def get_call(self, key: str) -> ToolCallRow | None:
+        """The stored call, or None. Retried across a lost connection."""
+        row = self._retrying(
+            lambda conn, _: conn.execute(_GET_CALL, {"get_key": key}).mappings().first(),
+            read=True)
+        return ToolCallRow.model_validate(dict(row)) if row else None
+
+    def calls_for_session(self, session_id: str) -> list[ToolCallRow]:
+        """The session's calls, oldest first."""
+        rows = self._fetch(select(CALLS).where(CALLS.c.session_id == session_id)
+                           .order_by(CALLS.c.created_at, CALLS.c.key))
+        return [ToolCallRow.model_validate(r) for r in rows]
+
+    def events(self, session_id: str, after: int = 0, limit: int = 1000) -> list[CallEventRow]:
+        """The session's events with ``id > after``, in order."""
+        rows = self._fetch(select(EVENTS)
+                           .where(EVENTS.c.session_id == session_id, EVENTS.c.id > after)
+                           .order_by(EVENTS.c.id).limit(limit))
+        return [CallEventRow.model_validate(r) for r in rows]
+
+    def events_for_call(self, key: str) -> list[CallEventRow]:
+        """Every event of one call, in order."""
+        rows = self._fetch(select(EVENTS).where(EVENTS.c.key == key).order_by(EVENTS.c.id))
+        return [CallEventRow.model_validate(r) for r in rows]
+
+    # -- catalog --------------------------------------------------------------------------------
+
+    def publish_catalog(self, entries: Iterable[Mapping[str, Any]]) -> int:
+        """Upsert catalog entries (one per tool); returns how many were written."""
+        count = 0
+        with self.write() as conn:
+            for entry in entries:
+                done = conn.execute(
+                    update(CATALOG).where(CATALOG.c.name == entry["name"]).values(**entry)
+                ).rowcount
+                if not done:
+                    conn.execute(insert(CATALOG).values(**entry))
+                count += 1
+        return count
+
+    def list_catalog(self) -> list[CatalogRow]:
+        """Every published catalog entry, by name."""
+        return [CatalogRow.model_validate(r)
+                for r in self._fetch(select(CATALOG).order_by(CATALOG.c.name))]
+
+    def get_catalog(self, name: str) -> CatalogRow | None:
+        """The published catalog entry of one tool."""
+        rows = self._fetch(select(CATALOG).where(CATALOG.c.name == name))
+        return CatalogRow.model_validate(rows[0]) if rows else None

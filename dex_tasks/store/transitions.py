@@ -1,0 +1,376 @@
+"""The one guarded function that changes a call's status, and its set-based twin.
+
+``transition`` (and ``transition_many`` for the sweeps, and ``claim`` in ``leases.py``, the
+move to ``running``) is the only code that writes a call's status. It is a compare-and-set
+(``UPDATE ... WHERE key = :key AND status IN (:allowed)``) whose row count says whether this
+caller won, and it writes the event row in the same transaction (``_record``); a move to a
+terminal status also appends the call's tool message to the session's transcript there and
+delivers the user messages the end of its turn releases.
+
+Transitions are safe to run again, so a transition that loses its connection is run again on a
+new one, for up to ``retry_seconds``. The one ambiguous case is a connection lost during
+COMMIT: the first try may have committed. The retry then finds the row already in the target
+state with the values that very try wrote (its ``updated_at`` is the transition's own
+timestamp), takes that as won, and writes no second event or tool message.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import and_, bindparam, case, cast, or_, select, update
+from sqlalchemy.engine import Connection
+from sqlalchemy.sql.elements import ClauseElement, ColumnElement
+
+from dex_tasks.errors import IllegalTransitionError
+from dex_tasks.states import ALLOWED_FROM, CallStatus, MessageRole
+from dex_tasks.store.base import StoreBase, note_ended
+from dex_tasks.store.delivery import (
+    DELIVERY_LOCK_MANY,
+    DELIVERY_LOCK_RETURNING,
+    DELIVERY_LOCK_SPACE,
+    SESSIONS_WITH_QUEUED,
+    deliver_ready_messages,
+)
+from dex_tasks.store.tables import (
+    CALLS,
+    INSERT_EVENT,
+    INSERT_EVENT_QUEUED,
+    INSERT_MESSAGE,
+    bound,
+    equals,
+    event_name,
+    status_by_key,
+)
+
+log = logging.getLogger("dex_tasks.store")
+
+# Calls per UPDATE of a set-based transition (its guards and values are bound per call).
+_MANY_CHUNK = 200
+
+
+
+# What a move's UPDATE returns: the event row needs these three; a terminal move also builds
+# its call's tool message from the rest (the values just written), so it needs no read.
+_RETURNING = (CALLS.c.key, CALLS.c.session_id, CALLS.c.prev_status)
+_RETURNING_TERMINAL = (*_RETURNING, CALLS.c.turn_id, CALLS.c.tool_call_id, CALLS.c.tool,
+                       CALLS.c.arguments, CALLS.c.result, CALLS.c.error, CALLS.c.effect,
+                       CALLS.c.created_at)
+
+
+def _returning(to: CallStatus) -> tuple[Any, ...]:
+    """What the UPDATE of a move to ``to`` returns, for what ``Store._record`` writes."""
+    return _RETURNING_TERMINAL if to.terminal else _RETURNING
+
+
+def _returning_one(to: CallStatus, postgres: bool) -> tuple[Any, ...]:
+    """:func:`_returning` for a single transition, which on PostgreSQL also takes a terminal
+    move's delivery lock there (see ``DELIVERY_LOCK_RETURNING``)."""
+    columns = _returning(to)
+    return (*columns, DELIVERY_LOCK_RETURNING) if to.terminal and postgres else columns
+
+@functools.lru_cache(maxsize=256)
+def _transition_statement(
+    to: CallStatus, sources: frozenset[CallStatus], match: tuple[str, ...],
+    fields: tuple[str, ...], postgres: bool,
+) -> Any:
+    """The guarded UPDATE of one transition shape, with every value a bound parameter."""
+    return (
+        update(CALLS)
+        .where(CALLS.c.key == bindparam("t_key"),
+               CALLS.c.status.in_(sorted(s.value for s in sources)),
+               *(CALLS.c[k] == bindparam(f"m_{k}") for k in match))
+        # SET evaluates right-hand sides against the old row, so prev_status keeps the status
+        # we moved from, for the event row.
+        .values(prev_status=CALLS.c.status, status=to.value,
+                **{k: bindparam(f"v_{k}") for k in fields})
+        .returning(*_returning_one(to, postgres))
+    )
+
+
+def _event_row(row: Any, to: CallStatus, detail: Mapping[str, Any] | None,
+               now: float) -> dict[str, Any]:
+    """The event row of one move: ``row`` is what its UPDATE returned."""
+    return {"session_id": row.session_id, "key": row.key, "event": event_name(to),
+            "from_status": row.prev_status, "to_status": to.value,
+            "detail": json.dumps(dict(detail), default=str) if detail else None,
+            "created_at": now}
+
+
+def _tool_message(row: Any, to: CallStatus, now: float) -> dict[str, Any]:
+    """The transcript's tool message of a call that just became terminal (``to``)."""
+    return {"session_id": row.session_id, "role": MessageRole.TOOL.value, "text": None,
+            "status": None, "created_at": now, "delivered_at": None, "turn_id": row.turn_id,
+            "tool_call_id": row.tool_call_id, "tool": row.tool, "key": row.key,
+            "call_status": to.value, "tool_arguments": row.arguments,
+            "tool_output": row.result if to is CallStatus.SUCCEEDED else row.error}
+
+
+@dataclass(frozen=True)
+class Move:
+    """One call's part in a set-based transition (:meth:`Store.transition_many`).
+
+    ``to`` is where it goes; ``match`` the equality guards that must still hold on its row
+    (the owner, the attempt count, the lease it was seen with); ``values`` the columns written
+    to it (plain values); ``detail`` the detail of its event row.
+    """
+
+    key: str
+    to: CallStatus
+    match: Mapping[str, Any] = field(default_factory=dict)
+    values: Mapping[str, Any] = field(default_factory=dict)
+    detail: Mapping[str, Any] | None = None
+
+
+def _sources(what: str, to: CallStatus,
+             allowed: Iterable[CallStatus] | None) -> frozenset[CallStatus]:
+    """The statuses a move to ``to`` may leave: ``allowed`` (default: every legal one), which
+    must be legal; :class:`IllegalTransitionError` naming ``what`` otherwise."""
+    legal = ALLOWED_FROM[to]
+    sources = frozenset(legal if allowed is None else allowed)
+    if not sources or not sources <= legal:
+        illegal = sorted(s.value for s in sources - legal) or ["(none)"]
+        raise IllegalTransitionError(
+            f"{what}: cannot move to {to.value} from {', '.join(illegal)}"
+        )
+    return sources
+
+
+
+
+class Transitions(StoreBase):
+    """The guarded status changes of :class:`~dex_tasks.store.Store`."""
+
+    # -- the one function that changes a call's status ------------------------------------------
+
+    def transition(
+        self,
+        key: str,
+        to: CallStatus,
+        *,
+        allowed: Iterable[CallStatus] | None = None,
+        where: Sequence[ColumnElement[bool]] = (),
+        match: Mapping[str, Any] | None = None,
+        values: Mapping[str, Any] | None = None,
+        detail: Mapping[str, Any] | None = None,
+        now: float | None = None,
+        conn: Connection | None = None,
+    ) -> bool:
+        """Move call ``key`` to ``to`` if its status is one of ``allowed``; True if this won.
+
+        ``allowed`` defaults to every legal predecessor and must be a subset of them.
+        ``match`` adds equality guards on columns (the owning worker, an attempt count) and
+        ``where`` any other guard; ``values`` sets other columns in the same statement. The
+        event row is written in the same transaction, and so is, when ``to`` is terminal, the
+        call's tool message in the session's transcript. Without ``conn`` the transition runs
+        in a transaction of its own, retried across a lost connection (see the module's doc).
+        """
+        sources = _sources(f"call {key!r}", to, allowed)
+        now = time.time() if now is None else now
+        fields: dict[str, Any] = {"updated_at": now, **(values or {})}
+        if to.terminal:
+            fields.setdefault("finished_at", now)
+            fields.setdefault("lease_expires_at", None)
+        match = dict(match or {})
+        params: dict[str, Any] | None = None
+        if not where and not any(isinstance(v, ClauseElement) for v in fields.values()):
+            # The common shape (plain values, equality guards): a statement built once per
+            # shape and bound here costs a fraction of building one per call.
+            stmt = _transition_statement(to, sources, tuple(sorted(match)),
+                                         tuple(sorted(fields)), self.is_postgres)
+            params = {"t_key": key, **{f"m_{k}": v for k, v in match.items()},
+                      **{f"v_{k}": v for k, v in fields.items()}}
+        else:
+            guards = [*where, *(CALLS.c[k] == v for k, v in match.items())]
+            stmt = (
+                update(CALLS)
+                .where(CALLS.c.key == key, CALLS.c.status.in_([s.value for s in sources]),
+                       *guards)
+                .values(prev_status=CALLS.c.status, status=to.value, **fields)
+                .returning(*_returning_one(to, self.is_postgres))
+            )
+        if conn is not None:
+            return self._transition_in(conn, stmt, params, key, to, detail, now) is not None
+
+        def attempt(tx: Connection, n: int) -> bool:
+            if self._transition_in(tx, stmt, params, key, to, detail, now) is not None:
+                return True
+            # Nothing matched. After a lost connection that may be our own earlier try, which
+            # committed: the row then holds exactly what this transition writes.
+            return n > 1 and self._landed(tx, key, to, {**match, **fields}, now) is not None
+
+        return self._retrying(attempt)
+
+    def _transition_in(
+        self,
+        conn: Connection,
+        stmt: Any,
+        params: dict[str, Any] | None,
+        key: str,
+        to: CallStatus,
+        detail: Mapping[str, Any] | None,
+        now: float,
+    ) -> Any | None:
+        row = (conn.execute(stmt, params) if params is not None else conn.execute(stmt)).first()
+        if row is None:
+            return None
+        # A terminal move on PostgreSQL took the session's delivery lock in its RETURNING.
+        self._record(conn, to, [row], {key: detail}, now, locked=True)
+        return row
+
+    def _record(self, conn: Connection, to: CallStatus, moved: Sequence[Any],
+                details: Mapping[str, Mapping[str, Any] | None], now: float, *,
+                locked: bool) -> None:
+        """What every move writes besides the status, in the mover's transaction.
+
+        ``moved`` are the rows the UPDATE returned (:func:`_returning`), ``details`` each
+        one's event detail by key.
+
+        1. One event row per call that moved.
+        2. On a move to a terminal status, each call's tool message in the session's
+           transcript, built from the returned row: a call that ends has its message, and
+           the guarded UPDATE matches once, so it never gets two (the unique index on the
+           key is the backstop).
+        3. On a move to a terminal status, a turn may have just ended: the queued user
+           messages of the sessions touched are delivered here, so no code path that ends a
+           call can forget them. Sessions with no message queued skip the delivery statement:
+           the event's INSERT says whether any is (one call), or one query does (many).
+
+        ``locked``: this transaction already holds the sessions' delivery locks (PostgreSQL).
+        """
+        events = [_event_row(row, to, details[row.key], now) for row in moved]
+        if not events:
+            return
+        if not to.terminal:
+            conn.execute(INSERT_EVENT, events[0] if len(events) == 1 else events)
+            return
+        for row in moved:
+            note_ended(conn, row.key, to, row, now)
+        messages = [_tool_message(row, to, now) for row in moved]
+        conn.execute(INSERT_MESSAGE, messages[0] if len(messages) == 1 else messages)
+        sessions: list[str] = sorted({e["session_id"] for e in events})
+        if self.is_postgres and not locked:
+            conn.execute(DELIVERY_LOCK_MANY, {"space": DELIVERY_LOCK_SPACE,
+                                               "sessions": sessions})
+        if len(events) == 1:
+            queued = conn.execute(INSERT_EVENT_QUEUED,
+                                  {**events[0], "queued_session": sessions[0]}).scalar_one()
+            waiting = sessions if queued else []
+        else:
+            conn.execute(INSERT_EVENT, events)
+            waiting = list(conn.execute(SESSIONS_WITH_QUEUED,
+                                        {"queued_sessions": sessions}).scalars())
+        for session_id in waiting:
+            deliver_ready_messages(conn, now, session_id, locked=True)
+
+    @staticmethod
+    def _landed(conn: Connection, key: str, to: CallStatus, written: Mapping[str, Any],
+                now: float) -> Any | None:
+        """The call's row if it is in ``to`` and holds every plain value of ``written``: what
+        a try that committed before its connection was lost left behind. Its ``updated_at``
+        is the transition's own timestamp, so another writer's move does not match.
+
+        That try's connection died before its post-commit hooks ran, so a call it ended is
+        announced (waiters woken, metrics counted) after this transaction instead."""
+        guards = [CALLS.c.key == key, CALLS.c.status == to.value]
+        guards += [equals(column, value) for column, value in written.items()
+                   if not isinstance(value, ClauseElement)]
+        row = conn.execute(select(CALLS).where(*guards)).first()
+        if row is not None:
+            log.warning("a transition whose connection was lost had committed; taken as won",
+                        extra={"action": "store_commit_recovered", "key": key,
+                               "status": to.value})
+            if to.terminal:
+                note_ended(conn, key, to, row, now)
+        return row
+
+    def transition_many(
+        self,
+        moves: Sequence[Move],
+        *,
+        allowed: Iterable[CallStatus],
+        now: float | None = None,
+        conn: Connection | None = None,
+    ) -> set[str]:
+        """The set-based twin of :meth:`transition`, for the sweeps: many calls in one
+        transaction, one guarded UPDATE per kind of move (its target and the columns it
+        guards and writes) instead of one transaction per call.
+
+        The guards are those of :meth:`transition`: the status must be one of ``allowed`` (a
+        subset of each target's legal sources) and each move's ``match`` must hold on its
+        row. Each call that moved gets its event row. Returns the keys of the calls that
+        moved; the others (moved by someone else meanwhile, a lease renewed) are untouched.
+        """
+        sources = frozenset(allowed)
+        for target in {m.to for m in moves}:
+            _sources(f"{len(moves)} calls", target, sources)
+        if not moves:
+            return set()
+        now = time.time() if now is None else now
+        kinds: dict[tuple[CallStatus, tuple[str, ...], tuple[str, ...]], list[Move]] = {}
+        for m in moves:
+            kinds.setdefault((m.to, tuple(sorted(m.match)), tuple(sorted(m.values))),
+                             []).append(m)
+
+        def run(tx: Connection, n: int) -> set[str]:
+            moved: set[str] = set()
+            for (to, guarded, written), group in kinds.items():
+                for i in range(0, len(group), _MANY_CHUNK):
+                    moved |= self._move_chunk(tx, to, sources, guarded, written,
+                                              group[i:i + _MANY_CHUNK], now)
+            if n > 1:
+                moved |= self._landed_many(tx, [m for m in moves if m.key not in moved], now)
+            return moved
+
+        return run(conn, 1) if conn is not None else self._retrying(run)
+
+    def _move_chunk(self, conn: Connection, to: CallStatus, sources: frozenset[CallStatus],
+                    guarded: tuple[str, ...], written: tuple[str, ...], chunk: Sequence[Move],
+                    now: float) -> set[str]:
+        fields: dict[str, Any] = {"updated_at": now}
+        if to.terminal:
+            fields.update({k: v for k, v in (("finished_at", now), ("lease_expires_at", None))
+                           if k not in written})
+        # Each call's own values, picked by its key (one value if they are all the same);
+        # each call's own guards, or-ed.
+        for column in written:
+            values = {m.key: m.values[column] for m in chunk}
+            if len(set(map(repr, values.values()))) == 1:
+                fields[column] = next(iter(values.values()))
+            else:
+                fields[column] = cast(case({k: bound(column, v) for k, v in values.items()},
+                                           value=CALLS.c.key), CALLS.c[column].type)
+        guard = or_(*(and_(CALLS.c.key == m.key, *(equals(c, m.match[c]) for c in guarded))
+                      for m in chunk))
+        rows = conn.execute(
+            update(CALLS)
+            .where(status_by_key(self.is_sqlite).in_(sorted(s.value for s in sources)), guard)
+            .values(prev_status=CALLS.c.status, status=to.value, **fields)
+            .returning(*_returning(to))
+        ).all()
+        self._record(conn, to, rows, {m.key: m.detail for m in chunk}, now, locked=False)
+        return {r.key for r in rows}
+
+    def _landed_many(self, conn: Connection, moves: Sequence[Move], now: float) -> set[str]:
+        """The moves a try that lost its connection had committed (see :meth:`_landed`); the
+        calls they ended are announced after this transaction, as that try's could not be."""
+        landed: set[str] = set()
+        for to in {m.to for m in moves}:
+            keys = [m.key for m in moves if m.to is to]
+            for row in conn.execute(
+                    select(CALLS).where(CALLS.c.key.in_(keys),
+                                        status_by_key(self.is_sqlite) == to.value,
+                                        CALLS.c.updated_at == now)):
+                landed.add(row.key)
+                if to.terminal:
+                    note_ended(conn, row.key, to, row, now)
+        if landed:
+            log.warning("a set-based transition whose connection was lost had committed",
+                        extra={"action": "store_commit_recovered", "count": len(landed)})
+        return landed
