@@ -146,7 +146,7 @@ class StubTask:
 def publish_catalog(database_url: str) -> None:
     """Publish the no-op tools' catalog from a subprocess, so this one never imports them."""
     code = ("import bench.noop_tools\n"
-            "from dex_tasks import catalog\n"
+            "from dex_tasks.store import catalog\n"
             "from dex_tasks.registry import local_tools\n"
             "from dex_tasks.store import Store\n"
             f"s = Store({database_url!r}); s.create_all()\n"

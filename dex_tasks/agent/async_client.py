@@ -15,16 +15,30 @@ same ids returns the same record.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
-from datetime import timedelta
-from typing import Any
+import functools
+from collections.abc import Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from dex_tasks.agent.calls import ToolCallRequest
 from dex_tasks.agent.client import FAST_POLL_FIRST, DexClient, next_pause
-from dex_tasks.policy import EffectClass
 from dex_tasks.settings import DexSettings
-from dex_tasks.store.catalog import ToolSpec
-from dex_tasks.store.records import AgentSnapshot, CallEvent, SessionMessage, ToolCallRecord
+from dex_tasks.store.records import ToolCallRecord
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def in_thread(
+    method: Callable[Concatenate[DexClient, P], R],
+) -> Callable[Concatenate[AsyncDexClient, P], Coroutine[Any, Any, R]]:
+    """The coroutine form of a :class:`DexClient` method: the same signature, docstring and
+    behaviour, run in a worker thread (``asyncio.to_thread``) on the wrapped client. One
+    implementation serves both clients, so they cannot drift apart."""
+
+    @functools.wraps(method)
+    async def run(self: AsyncDexClient, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return await asyncio.to_thread(method, self.sync, *args, **kwargs)
+
+    return run
 
 
 class AsyncDexClient:
@@ -69,58 +83,17 @@ class AsyncDexClient:
     async def __aexit__(self, *_: object) -> None:
         await self.close()
 
-    # -- calls ----------------------------------------------------------------------------------
+    # -- the DexClient methods, as coroutines (see in_thread) ----------------------------------
 
-    async def call_tool(
-        self,
-        *,
-        session_id: str,
-        turn_id: str,
-        tool_call_id: str,
-        tool: str,
-        arguments: Mapping[str, Any] | None = None,
-        default_effect: EffectClass | str | None = None,
-        approval_deadline: float | timedelta | None = None,
-        expires_in: float | timedelta | None = None,
-    ) -> ToolCallRecord:
-        """Record a tool call and start it (or hold it for approval); see
-        :meth:`DexClient.call_tool`."""
-        return await asyncio.to_thread(
-            lambda: self.sync.call_tool(
-                session_id=session_id, turn_id=turn_id, tool_call_id=tool_call_id, tool=tool,
-                arguments=arguments, default_effect=default_effect,
-                approval_deadline=approval_deadline, expires_in=expires_in,
-            )
-        )
-
-    async def call_tools(
-        self,
-        calls: Sequence[ToolCallRequest | Mapping[str, Any]],
-        *,
-        session_id: str,
-        turn_id: str,
-        default_effect: EffectClass | str | None = None,
-        approval_deadline: float | timedelta | None = None,
-        expires_in: float | timedelta | None = None,
-    ) -> list[ToolCallRecord]:
-        """Record a turn's parallel calls in one transaction and start them with one Redis
-        round trip, all or nothing; see :meth:`DexClient.call_tools`."""
-        return await asyncio.to_thread(
-            lambda: self.sync.call_tools(
-                calls, session_id=session_id, turn_id=turn_id, default_effect=default_effect,
-                approval_deadline=approval_deadline, expires_in=expires_in,
-            )
-        )
-
-    async def list_tools(
-        self, default_effect: EffectClass | str | None = None
-    ) -> list[ToolSpec]:
-        """The published tools; see :meth:`DexClient.list_tools`."""
-        return await asyncio.to_thread(self.sync.list_tools, default_effect)
-
-    async def get_tool_call(self, key: str) -> ToolCallRecord:
-        """The call's record; :class:`CallNotFoundError` if no call has that key."""
-        return await asyncio.to_thread(self.sync.get_tool_call, key)
+    call_tool = in_thread(DexClient.call_tool)
+    call_tools = in_thread(DexClient.call_tools)
+    list_tools = in_thread(DexClient.list_tools)
+    get_tool_call = in_thread(DexClient.get_tool_call)
+    get_agent_snapshot = in_thread(DexClient.get_agent_snapshot)
+    resolve_interrupt = in_thread(DexClient.resolve_interrupt)
+    send_user_message = in_thread(DexClient.send_user_message)
+    add_assistant_message = in_thread(DexClient.add_assistant_message)
+    events = in_thread(DexClient.events)
 
     async def wait(self, key: str, timeout: float = 30.0) -> ToolCallRecord:
         """Wait until the call is terminal and return it; ``TimeoutError`` after ``timeout``.
@@ -156,39 +129,3 @@ class AsyncDexClient:
                 record = await self.get_tool_call(key)
                 if record.terminal:
                     return record
-
-    async def get_agent_snapshot(self, session_id: str) -> AgentSnapshot:
-        """The session as one consistent read; see :meth:`DexClient.get_agent_snapshot`."""
-        return await asyncio.to_thread(self.sync.get_agent_snapshot, session_id)
-
-    async def resolve_interrupt(
-        self,
-        session_id: str,
-        interrupt_id: str,
-        approved: bool,
-        rejection_message: str | None = None,
-        approver: str | None = None,
-    ) -> bool:
-        """Approve or reject a pending call; True if this call decided, False otherwise."""
-        return await asyncio.to_thread(
-            lambda: self.sync.resolve_interrupt(
-                session_id, interrupt_id, approved,
-                rejection_message=rejection_message, approver=approver,
-            )
-        )
-
-    async def send_user_message(self, session_id: str, text: str) -> bool:
-        """Send a user message into the session's transcript; True once it is stored (see
-        :meth:`DexClient.send_user_message` for the one case that returns False)."""
-        return await asyncio.to_thread(self.sync.send_user_message, session_id, text)
-
-    async def add_assistant_message(
-        self, session_id: str, turn_id: str, text: str
-    ) -> SessionMessage:
-        """Record the model's own text of turn ``turn_id`` in the session's transcript."""
-        return await asyncio.to_thread(self.sync.add_assistant_message, session_id, turn_id,
-                                       text)
-
-    async def events(self, session_id: str, after: int = 0) -> list[CallEvent]:
-        """The session's events after cursor ``after`` (an event's ``id``)."""
-        return await asyncio.to_thread(self.sync.events, session_id, after)
