@@ -66,8 +66,10 @@ class ConflictError(DexError):
     """The idempotency key is already used by a call with another tool or other arguments."""
 
     def __init__(self, key: str, field: str) -> None:
-        super().__init__(f"idempotency key {key!r} is already used by a call with a different "
-                         f"{field}; a key names exactly one call")
+        what = {"tool": "another tool", "arguments": "other arguments"}.get(
+            field, f"another {field}")
+        super().__init__(f"idempotency key {key!r} is already used by a call with {what}; a "
+                         "key names exactly one call")
         self.key = key
         self.field = field
 

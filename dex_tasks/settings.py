@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dex_tasks.errors import ConfigurationError
+from dex_tasks.logs import redact
 
 
 class DexSettings(BaseSettings):
@@ -133,6 +135,18 @@ class DexSettings(BaseSettings):
         "net for a lost notification; without Redis it polls every 5-200 ms).",
     )
 
+    def __init__(self, **values: Any) -> None:
+        # pydantic's own error is a dozen lines naming the field (lease_seconds), not the
+        # variable the user set (DEX_LEASE_SECONDS): one line per mistake, saying what to put.
+        try:
+            super().__init__(**values)
+        except ValidationError as err:
+            raise ConfigurationError(describe_errors(err)) from None
+
+    @field_validator("database_url")
+    @classmethod
+    def _usable_database_url(cls, url: str) -> str:
+        return check_database_url(url)
 
     def signing_key(self) -> str:
         """The token-signing secret; :class:`ConfigurationError` when it is not set."""
@@ -144,6 +158,61 @@ class DexSettings(BaseSettings):
                 "e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'"
             )
         return value
+
+
+_STORE_URLS = "sqlite:///relative/path.db, sqlite:////absolute/path.db or " \
+    "postgresql+psycopg://user:password@host:5432/dbname"
+
+
+def check_database_url(url: str) -> str:
+    """``url`` if the store can use it; else a ``ValueError`` saying what to write instead."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ValueError(f"is not a URL: use {_STORE_URLS}")
+    if scheme in {"postgres", "postgresql"}:
+        raise ValueError(f"names no driver: use postgresql+psycopg://{rest} (the psycopg 3 "
+                         'driver, pip install "dex-tasks[postgres]")')
+    if scheme.startswith("postgresql+psycopg") and scheme != "postgresql+psycopg2":
+        try:
+            import psycopg  # noqa: F401  (only to learn whether the extra is installed)
+        except ImportError:
+            raise ValueError('is a PostgreSQL URL, but its driver is not installed: '
+                             'pip install "dex-tasks[postgres]"') from None
+        return url
+    if scheme.startswith("sqlite"):
+        if rest and not rest.startswith("/"):
+            raise ValueError(f"has two slashes: a SQLite URL has three before a relative path "
+                             f"({scheme}:///{rest}) and four before an absolute one "
+                             f"({scheme}:////path/to/{Path(rest).name})")
+        return url
+    if scheme.startswith("postgresql"):
+        return url  # another PostgreSQL driver the user installed and chose
+    raise ValueError(f"has scheme {scheme}://, which the store does not support: use "
+                     f"{_STORE_URLS}")
+
+
+_KINDS = {float: "a number", int: "a whole number", bool: "true or false", Path: "a path"}
+
+
+def describe_errors(err: ValidationError) -> str:
+    """One line per wrong setting: its variable, the value, what is wrong and what to set."""
+    lines = []
+    for error in err.errors():
+        name = str(error["loc"][0]) if error["loc"] else ""
+        field = DexSettings.model_fields.get(name)
+        variable = f"DEX_{name.upper()}"
+        secret = field is not None and field.annotation in (SecretStr, SecretStr | None)
+        shown = "" if secret or "input" not in error else f"={error['input']!r}"
+        message = str(error["msg"]).removeprefix("Value error, ")
+        hint = ""
+        kind = _KINDS.get(field.annotation) if field is not None else None  # type: ignore[arg-type]
+        if field is not None and kind is not None:
+            about = (field.description or "").rstrip(".")
+            hint = f"; set it to {kind} ({about}; default {field.get_default()})"
+        joiner = " " if message.startswith(("is ", "has ", "names ")) else ": "
+        # A URL's password, a token: never echoed back (the line may end up in a log).
+        lines.append(redact(f"{variable}{shown}{joiner}{message}{hint}"))
+    return "\n".join(lines)
 
 
 def default_state_dir() -> Path:
