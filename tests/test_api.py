@@ -207,7 +207,7 @@ def test_the_seeds_body_decides_and_the_session_comes_from_the_token(
     assert "another session" in mismatch.json()["detail"]
     foreign = http.post("/interrupts/resolve", headers=headers, json={
         "interrupt_id": other.interrupt_id, "approved": True})
-    assert foreign.json() == {"accepted": False}
+    assert foreign.json() == {"accepted": False, "reason": "unknown_interrupt"}
     _unchanged(client, record)
     assert client.get_tool_call(other.key).status is CallStatus.AWAITING_APPROVAL
     # Then the seeds' body, rejection_message null, decides this session's call
@@ -220,7 +220,8 @@ def test_the_seeds_body_decides_and_the_session_comes_from_the_token(
     # And a matching session_id is accepted as well (a retry: not accepted, no error)
     again = http.post("/interrupts/resolve", headers=headers, json={
         "interrupt_id": record.interrupt_id, "approved": False, "session_id": SESSION})
-    assert (again.status_code, again.json()) == (200, {"accepted": False})
+    assert (again.status_code, again.json()) == (200, {"accepted": False,
+                                                       "reason": "already_decided"})
 
 
 def test_a_view_token_reads_the_session_but_cannot_decide(
@@ -346,8 +347,8 @@ def test_approve_over_http_runs_the_call_and_a_second_decision_is_not_accepted(
     again = http.post("/interrupts/resolve", json=body, headers=headers)
     contrary = http.post("/interrupts/resolve", headers=headers,
                          json={**body, "approved": False, "rejection_message": "wait"})
-    assert again.json() == {"accepted": False}
-    assert contrary.json() == {"accepted": False}
+    assert again.json() == {"accepted": False, "reason": "already_decided"}
+    assert contrary.json() == {"accepted": False, "reason": "already_decided"}
 
     snapshot = http.get(f"/sessions/{SESSION}/snapshot", headers=headers).json()
     assert snapshot["pending_interrupts"] == []
@@ -373,7 +374,7 @@ def test_reject_over_http_gives_the_model_the_message(
     assert "refund the customer by bank transfer instead" in (final.error or "")
     approve = {**body, "approved": True, "rejection_message": None}
     assert http.post("/interrupts/resolve", json=approve, headers=headers).json() \
-        == {"accepted": False}
+        == {"accepted": False, "reason": "already_decided"}
     [decided] = http.get(f"/sessions/{SESSION}/snapshot", headers=headers).json()["decided"]
     assert (decided["decision"], decided["decided_by"]) == ("rejected", "bob")
     assert decided["reason"] == "refund the customer by bank transfer instead"
@@ -388,7 +389,7 @@ def test_unknown_interrupt_or_one_of_another_session_is_not_accepted(
     for interrupt_id in ("no-such-interrupt", other.interrupt_id):
         response = http.post("/interrupts/resolve", headers=headers, json={
             "interrupt_id": interrupt_id, "approved": True})
-        assert response.json() == {"accepted": False}
+        assert response.json() == {"accepted": False, "reason": "unknown_interrupt"}
     assert client.get_tool_call(other.key).status is CallStatus.AWAITING_APPROVAL
 
 

@@ -267,3 +267,33 @@ def get_interrupt(store: Store, interrupt_id: str) -> InterruptRow | None:
             select(INTERRUPTS).where(INTERRUPTS.c.interrupt_id == interrupt_id)
         ).mappings().first()
     return InterruptRow.model_validate(dict(row)) if row else None
+
+
+UNKNOWN_INTERRUPT = "unknown_interrupt"
+WRONG_SESSION = "wrong_session"
+ALREADY_DECIDED = "already_decided"
+DEADLINE_PASSED = "deadline_passed"
+REFUSAL_REASONS = (UNKNOWN_INTERRUPT, WRONG_SESSION, ALREADY_DECIDED, DEADLINE_PASSED)
+"""Why :func:`resolve_interrupt` answered False, as :func:`refusal_reason` names it."""
+
+
+def refusal_reason(store: Store, session_id: str, interrupt_id: str,
+                   now: float | None = None) -> str | None:
+    """Why a decision of this interrupt in this session is refused now, or None if it can
+    still be decided: one of :data:`REFUSAL_REASONS`.
+
+    A read after the fact, so ``resolve_interrupt`` keeps its bool: ask this when it answered
+    False. An interrupt of another session is ``wrong_session`` only to a caller who may know
+    it exists (the HTTP API answers ``unknown_interrupt`` for both).
+    """
+    now = time.time() if now is None else now
+    row = get_interrupt(store, interrupt_id)
+    if row is None:
+        return UNKNOWN_INTERRUPT
+    if row.session_id != session_id:
+        return WRONG_SESSION
+    if row.decision is not None:
+        return ALREADY_DECIDED
+    if row.deadline_at is not None and row.deadline_at <= now:
+        return DEADLINE_PASSED
+    return None

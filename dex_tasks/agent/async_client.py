@@ -91,6 +91,7 @@ class AsyncDexClient:
     get_tool_call = in_thread(DexClient.get_tool_call)
     get_agent_snapshot = in_thread(DexClient.get_agent_snapshot)
     resolve_interrupt = in_thread(DexClient.resolve_interrupt)
+    why_not_resolved = in_thread(DexClient.why_not_resolved)
     send_user_message = in_thread(DexClient.send_user_message)
     add_assistant_message = in_thread(DexClient.add_assistant_message)
     events = in_thread(DexClient.events)

@@ -396,6 +396,15 @@ class DexClient:
             rejection_message=rejection_message, approver=approver,
         )
 
+    def why_not_resolved(self, session_id: str, interrupt_id: str) -> str | None:
+        """Why ``resolve_interrupt(session_id, interrupt_id, ...)`` is refused now, or None if
+        the interrupt can still be decided: ``"unknown_interrupt"``, ``"wrong_session"``,
+        ``"already_decided"`` (by a person or the deadline sweep) or ``"deadline_passed"``.
+
+        Ask it when ``resolve_interrupt`` returned False; it reads, and changes nothing.
+        """
+        return approvals.refusal_reason(self.store, session_id, interrupt_id)
+
     def send_user_message(self, session_id: str, text: str) -> bool:
         """Send a user message into the session's transcript; True once it is stored.
 

@@ -52,7 +52,9 @@ from fastapi.security import HTTPAuthorizationCredentials
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dex_tasks.agent.approvals import UNKNOWN_INTERRUPT, WRONG_SESSION
 from dex_tasks.agent.client import DexClient
 from dex_tasks.api.auth import (
     authenticate,
@@ -217,7 +219,14 @@ async def resolve_interrupt(request: Request, credentials: Bearer) -> Response:
         "interrupt_id": body.interrupt_id, "approved": body.approved,
         "accepted": accepted, "approver": claims.approver,
     })
-    return JSONResponse(ResolveResponse(accepted=accepted).model_dump())
+    reason = None
+    if not accepted:
+        reason = await run_in_threadpool(state.client.why_not_resolved, session_id,
+                                         body.interrupt_id)
+        # Whether an interrupt id exists in another session is not this token's to learn.
+        reason = UNKNOWN_INTERRUPT if reason == WRONG_SESSION else reason
+    return JSONResponse(ResolveResponse(accepted=accepted, reason=reason)
+                        .model_dump(exclude_none=True))
 
 
 @router.get(
@@ -388,9 +397,18 @@ async def _too_large(_: Request, exc: Exception) -> Response:
     return too_large_response(exc.limit)
 
 
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    # One shape on every status: ``error`` always says what is wrong (as the 400s and 413s
+    # do); ``detail``, FastAPI's own key, keeps the same text for clients written against it.
+    assert isinstance(exc, StarletteHTTPException)
+    return JSONResponse({"error": str(exc.detail), "detail": exc.detail},
+                        status_code=exc.status_code, headers=exc.headers)
+
+
 async def _store_down(_: Request, exc: Exception) -> JSONResponse:
     log.error("store unavailable", extra={"action": "http_store_unavailable", "error": str(exc)})
-    return JSONResponse({"detail": "the store is unavailable, try again"}, status_code=503,
+    text = "the store is unavailable, try again"
+    return JSONResponse({"error": text, "detail": text}, status_code=503,
                         headers={"Retry-After": "1"})
 
 
@@ -429,6 +447,7 @@ def create_api(
         heartbeat_seconds=heartbeat_seconds,
         pages=Pages(),
     )
+    api.add_exception_handler(StarletteHTTPException, _http_error)
     api.add_exception_handler(RequestValidationError, _invalid_request)
     api.add_exception_handler(InvalidArgumentError, _invalid_argument)
     api.add_exception_handler(BodyTooLargeError, _too_large)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
@@ -134,6 +134,12 @@ class ResolveResponse(BaseModel):
         description="true if this request decided; false if the interrupt was already decided, "
         "its deadline passed, or it does not exist in that session. Safe to retry."
     )
+    reason: Literal["already_decided", "deadline_passed", "unknown_interrupt"] | None = Field(
+        default=None,
+        description="Why not, when accepted is false: already_decided (by a person or the "
+        "deadline sweep), deadline_passed (the sweep has not rejected it yet), or "
+        "unknown_interrupt (no such interrupt in the token's session); null when accepted.",
+    )
 
 
 class ErrorResponse(BaseModel):
@@ -160,8 +166,10 @@ class ValidationErrorResponse(BaseModel):
 
 
 class DetailResponse(BaseModel):
-    """401, 403 and 503: ``detail`` says why (and, for 401/403, what to ask for)."""
+    """401, 403, 404, 405 and 503: ``error`` says why (and, for 401/403, what to ask for);
+    ``detail`` is the same text, FastAPI's own key."""
 
+    error: str
     detail: str
 
 

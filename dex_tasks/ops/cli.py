@@ -392,9 +392,13 @@ def approvals_list(
 
 def _decide(session_id: str, interrupt_id: str, approved: bool, message: str | None,
             approver: str | None) -> None:
-    import time
-
-    from dex_tasks.agent.approvals import get_interrupt
+    from dex_tasks.agent.approvals import (
+        ALREADY_DECIDED,
+        DEADLINE_PASSED,
+        UNKNOWN_INTERRUPT,
+        WRONG_SESSION,
+        get_interrupt,
+    )
     from dex_tasks.agent.client import DexClient
 
     with DexClient(DexSettings()) as client:
@@ -407,16 +411,18 @@ def _decide(session_id: str, interrupt_id: str, approved: bool, message: str | N
             typer.echo(f"decided: {'approved' if approved else 'rejected'} interrupt "
                        f"{interrupt_id} as {who}; call {call.key if call else '?'} is {status}")
             return
+        reason = client.why_not_resolved(session_id, interrupt_id)
         row = get_interrupt(client.store, interrupt_id)
-        if row is None or row.session_id != session_id:
+        if reason in (UNKNOWN_INTERRUPT, WRONG_SESSION) or row is None:
             why = f"session {session_id!r} has no interrupt {interrupt_id!r}"
-        elif row.decision is not None:
+        elif reason == ALREADY_DECIDED:
             by = row.decided_by or ("the deadline sweep" if row.decision == "expired" else "?")
             why = f"it was already {row.decision} by {by}"
-        elif row.deadline_at is not None and row.deadline_at <= time.time():
+        elif reason == DEADLINE_PASSED:
             why = "its approval deadline has passed"
         else:
             why = "it could not be decided (see the logs)"
+        why = f"{why} ({reason or 'unknown'})"
         typer.echo(f"not decided: {why}", err=True)
         raise typer.Exit(1)
 
