@@ -436,5 +436,6 @@ def test_openapi_documents_every_status_with_a_schema_and_health(http: TestClien
     assert set(listing["200"]["content"]) == {"application/json", "text/html"}
     assert "HTTPBearer" in schema["components"]["securitySchemes"]
     assert http.get("/docs").status_code == 200
-    assert http.get("/healthz").json() == {"status": "ok", "store": "ok", "event_streams": 0}
+    assert http.get("/healthz").json() == {"status": "ok", "store": "ok", "redis": "ok",
+                                           "beat": "late", "event_streams": 0}
     assert http.get("/static/session.js").status_code == 200

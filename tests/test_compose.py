@@ -106,6 +106,9 @@ def test_dex_services_wait_for_healthy_redis_and_postgres(compose: dict[str, Any
         assert depends["redis"]["condition"] == "service_healthy"
         assert depends["postgres"]["condition"] == "service_healthy"
     assert "/healthz" in " ".join(svc["api"]["healthcheck"]["test"])
+    # tests/test_health.py runs these very commands against a real worker and beat
+    assert svc["worker"]["healthcheck"]["test"][1:] == ["dex-tasks", "status", "--check", "worker"]
+    assert svc["beat"]["healthcheck"]["test"][1:] == ["dex-tasks", "status", "--check", "beat"]
 
 
 def test_every_dex_variable_is_a_setting_and_secrets_are_not_hard_coded(
@@ -235,10 +238,10 @@ def test_compose_runs_the_users_tool_module_installed_or_mounted(tmp_path: Path)
 
 
 def test_the_readmes_tls_override_validates(tmp_path: Path) -> None:
-    # The docker-compose.override.yml the README's "Deploying" section shows
-    readme = (ROOT / "README.md").read_text()
+    # The docker-compose.override.yml docs/deploying.md shows
+    readme = (ROOT / "docs" / "deploying.md").read_text()
     block = re.search(r"```yaml\n(# docker-compose.override.yml[^\n]*\n.*?)```", readme, re.S)
-    assert block is not None, "the README lost its TLS override example"
+    assert block is not None, "docs/deploying.md lost its TLS override example"
     override = tmp_path / "docker-compose.override.yml"
     override.write_text(block.group(1))
     rendered = compose_config({**USER_SETTINGS, "REDIS_PASSWORD": "r-pw"}, tmp_path, override)

@@ -187,9 +187,9 @@ def test_sweep_results_are_counted_across_processes(client: DexClient, rt: Runti
     # Then a scrape from any process sees both runs and the one call they moved
     m = scrape(render_metrics(client.store, rt.redis)[0])
     assert sample(m, "dex_redis_up") == 1
-    assert sample(m, "dex_sweep_runs_total", job="expire_approvals") == 2
-    assert sample(m, "dex_sweep_moved_total", job="expire_approvals") == 1
-    last = sample(m, "dex_sweep_last_run_timestamp_seconds", job="expire_approvals")
+    assert sample(m, "dex_sweep_runs_total", sweep="expire_approvals") == 2
+    assert sample(m, "dex_sweep_moved_total", sweep="expire_approvals") == 1
+    last = sample(m, "dex_sweep_last_run_timestamp_seconds", sweep="expire_approvals")
     assert last is not None and abs(last - time.time()) < 60
 
 

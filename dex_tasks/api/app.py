@@ -29,6 +29,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+import redis
 from fastapi import (
     APIRouter,
     Depends,
@@ -88,7 +89,7 @@ from dex_tasks.api.schemas import (
     parse_resolve_body,
     validation_error_body,
 )
-from dex_tasks.broker.metrics import metrics_redis, render_metrics
+from dex_tasks.broker.metrics import beat_is_late, last_sweep_at, metrics_redis, render_metrics
 from dex_tasks.errors import InvalidArgumentError, StoreUnavailableError
 from dex_tasks.settings import DexSettings
 from dex_tasks.store.records import AgentSnapshot
@@ -349,13 +350,35 @@ def approvals_page(request: Request, session_id: SessionId) -> RedirectResponse:
                             headers={"Referrer-Policy": "no-referrer"})
 
 
-@router.get("/healthz", tags=["operations"])
-def healthz(request: Request) -> HealthResponse:
-    """200 while the process runs and the store answers; 503 when the store does not."""
+@router.get("/healthz", tags=["operations"], responses={
+    503: {"description": "The store or Redis does not answer: a JSON object whose error says "
+                         "which."}})
+def healthz(request: Request) -> JSONResponse:
+    """200 while the process runs and the store and Redis answer; 503 when either does not.
+
+    ``beat`` says whether a sweep ran within the last 3 sweep intervals (``late``: no beat is
+    running, so approval deadlines are not enforced and lost calls are not recovered). A late
+    beat does not fail this check: restarting the API would not bring beat back.
+    """
     state = _state(request)
+    settings = state.client.settings
     with state.client.store.read() as conn:
         conn.execute(text("SELECT 1"))
-    return HealthResponse(status="ok", store="ok", event_streams=state.streams.open)
+    try:
+        client = metrics_redis(settings)
+        client.ping()
+        last = last_sweep_at(client)
+    except redis.RedisError as err:
+        log.warning("health check: Redis unreachable",
+                    extra={"action": "http_health_redis_down", "error": str(err)})
+        body = HealthResponse(status="unavailable", store="ok", redis="unreachable",
+                              beat="unknown", event_streams=state.streams.open,
+                              error="Redis does not answer")
+        return JSONResponse(body.model_dump(exclude_none=True), status_code=503)
+    beat = "late" if beat_is_late(last, settings.sweep_interval_seconds) else "ok"
+    body = HealthResponse(status="ok", store="ok", redis="ok", beat=beat,
+                          event_streams=state.streams.open)
+    return JSONResponse(body.model_dump(exclude_none=True))
 
 
 @router.get("/metrics", tags=["operations"], response_class=Response,

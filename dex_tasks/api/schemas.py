@@ -174,11 +174,16 @@ class DetailResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    """Liveness and store reachability."""
+    """Liveness, and whether the store and Redis answer and beat sweeps."""
 
-    status: str
-    store: str
+    status: Literal["ok", "unavailable"]
+    store: Literal["ok"]
+    redis: Literal["ok", "unreachable"]
+    beat: Literal["ok", "late", "unknown"] = Field(
+        description="ok: a sweep ran within 3 sweep intervals; late: none did (no beat is "
+        "running: approval deadlines are not enforced); unknown: Redis does not answer.")
     event_streams: int = Field(description="Event-stream connections open right now.")
+    error: str | None = Field(default=None, description="What does not answer (503 only).")
 
 
 class PendingSession(BaseModel):

@@ -24,8 +24,15 @@ Exposed:
 * ``dex_pending_approvals{tool}`` and ``dex_overdue_approvals`` (gauges): calls awaiting a
   decision, and those whose deadline passed without the sweep rejecting them yet (a beat that
   is not running shows here).
-* ``dex_sweep_runs_total{job}``, ``dex_sweep_moved_total{job}`` (counters) and
-  ``dex_sweep_last_run_timestamp_seconds{job}``: what each beat job did.
+* ``dex_oldest_pending_approval_age_seconds`` (gauge): how long the oldest undecided approval
+  has waited (0 with none).
+* ``dex_sweep_runs_total{sweep}``, ``dex_sweep_moved_total{sweep}`` (counters) and
+  ``dex_sweep_last_run_timestamp_seconds{sweep}``: what each beat job did. The label is
+  ``sweep``, not ``job``, which Prometheus's own scrape label would rename ``exported_job``.
+* ``dex_beat_last_sweep_age_seconds`` (gauge): seconds since any sweep last ran (absent before
+  the first); past :data:`BEAT_LATE_INTERVALS` sweep intervals no beat is running, and approval
+  deadlines, lease reaping and republishing have stopped.
+* ``dex_workers_alive`` (gauge): workers whose announcement has not expired.
 * ``dex_store_up``, ``dex_redis_up``: whether this scrape could read them.
 
 The counters are as durable as Redis (AOF in production). While Redis cannot be reached, the
@@ -53,6 +60,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
 from dex_tasks.broker.redis_clients import redis_client
+from dex_tasks.broker.routing import live_workers
 from dex_tasks.errors import DexError
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import CallStatus
@@ -80,6 +88,24 @@ OPEN_STATUSES = (CallStatus.AWAITING_APPROVAL, CallStatus.QUEUED, CallStatus.RUN
 
 SWEEP_STATS_KEY = "dex:sweep-stats"
 """Redis hash: ``<job>:runs``, ``<job>:moved``, ``<job>:last_run`` for every sweep job."""
+
+
+BEAT_LATE_INTERVALS = 3
+"""A beat counts as missing when no sweep ran for this many ``DEX_SWEEP_INTERVAL_SECONDS``."""
+
+
+def last_sweep_at(client: redis.Redis) -> float | None:
+    """When any sweep last ran (epoch seconds), from the shared sweep statistics; None if
+    none ever did."""
+    runs = [float(v) for f, v in client.hgetall(SWEEP_STATS_KEY).items()
+            if _text(f).endswith(":last_run")]
+    return max(runs) if runs else None
+
+
+def beat_is_late(last_run: float | None, interval: float, now: float | None = None) -> bool:
+    """True when no sweep ran within :data:`BEAT_LATE_INTERVALS` intervals (or ever)."""
+    now = time.time() if now is None else now
+    return last_run is None or now - last_run > BEAT_LATE_INTERVALS * interval
 
 
 def record_sweep(client: redis.Redis, job: str, moved: int, now: float | None = None) -> None:
@@ -163,6 +189,9 @@ class StoreCollector(Collector):
                     INTERRUPTS.c.deadline_at < now,
                 )
             ).scalar_one()
+            oldest = conn.execute(
+                select(func.min(INTERRUPTS.c.created_at)).where(INTERRUPTS.c.decision.is_(None))
+            ).scalar_one()
 
         calls = GaugeMetricFamily(
             "dex_tool_calls_open",
@@ -184,6 +213,11 @@ class StoreCollector(Collector):
             "Calls still awaiting approval after their deadline (the deadline sweep is behind).",
             value=overdue,
         )
+        yield GaugeMetricFamily(
+            "dex_oldest_pending_approval_age_seconds",
+            "How long the oldest undecided approval has waited (0 with none).",
+            value=0.0 if oldest is None else max(0.0, now - float(oldest)),
+        )
 
     # -- redis: counters ------------------------------------------------------------------------
 
@@ -195,6 +229,7 @@ class StoreCollector(Collector):
             pipe.hgetall(ENDED_KEY)
             pipe.hgetall(SWEEP_STATS_KEY)
             ended_raw, sweeps_raw = pipe.execute()
+            workers = len(live_workers(self.redis))
         except Exception as err:  # noqa: BLE001 - a scrape reports Redis down, it never fails
             log.warning("metrics could not read Redis",
                         extra={"action": "metrics_redis_error", "error": str(err)})
@@ -204,7 +239,10 @@ class StoreCollector(Collector):
         redis_up.add_metric([], 1)
         yield redis_up
         yield from _ended_families(ended_raw)
-        yield from _sweep_families(sweeps_raw)
+        yield from _sweep_families(sweeps_raw, time.time() if self.now is None else self.now)
+        yield GaugeMetricFamily("dex_workers_alive",
+                                "Workers whose announcement in Redis has not expired.",
+                                value=workers)
 
 
 def open_calls_query() -> Any:
@@ -258,19 +296,20 @@ def _ended_families(raw: dict[Any, Any]) -> Iterator[Any]:
     yield duration
 
 
-def _sweep_families(raw: dict[Any, Any]) -> Iterator[Any]:
+def _sweep_families(raw: dict[Any, Any], now: float) -> Iterator[Any]:
     stats: dict[str, dict[str, float]] = {}
     for field, value in raw.items():
         job, _, what = _text(field).rpartition(":")
         stats.setdefault(job, {})[what] = float(value)
-    runs = CounterMetricFamily("dex_sweep_runs", "Sweep job runs, by job.", labels=["job"])
+    # Labelled "sweep": a label named "job" collides with Prometheus's own scrape label.
+    runs = CounterMetricFamily("dex_sweep_runs", "Sweep job runs, by sweep.", labels=["sweep"])
     moved = CounterMetricFamily(
         "dex_sweep_moved", "Calls a sweep job acted on (reaped, republished, expired).",
-        labels=["job"],
+        labels=["sweep"],
     )
     last = GaugeMetricFamily(
         "dex_sweep_last_run_timestamp_seconds", "When each sweep job last ran (epoch).",
-        labels=["job"],
+        labels=["sweep"],
     )
     for job, values in sorted(stats.items()):
         runs.add_metric([job], values.get("runs", 0.0))
@@ -280,6 +319,12 @@ def _sweep_families(raw: dict[Any, Any]) -> Iterator[Any]:
     yield runs
     yield moved
     yield last
+    latest = [v["last_run"] for v in stats.values() if "last_run" in v]
+    if latest:
+        yield GaugeMetricFamily(
+            "dex_beat_last_sweep_age_seconds",
+            "Seconds since any sweep last ran; past 3 sweep intervals no beat is running.",
+            value=max(0.0, now - max(latest)))
 
 
 def metrics_redis(settings: DexSettings) -> redis.Redis:

@@ -27,6 +27,7 @@ import re
 import socket
 import threading
 from collections.abc import Iterable
+from typing import Any
 
 import redis
 from celery import Celery
@@ -97,6 +98,14 @@ def live_tools(client: redis.Redis) -> set[str]:
     """The tools at least one live worker serves (from their unexpired announcements)."""
     return {_text(key)[len(TOOL_ALIVE_KEY):]
             for key in client.scan_iter(match=TOOL_ALIVE_KEY + "*", count=1000)}
+
+
+def live_workers(client: redis.Redis) -> list[dict[str, Any]]:
+    """The announcement records of the live workers (node, host, pid, pool, concurrency,
+    tools), by node name."""
+    keys = sorted(client.scan_iter(match=WORKER_KEY + "*", count=1000))
+    records = client.mget(keys) if keys else []
+    return [json.loads(_text(r)) for r in records if r is not None]
 
 
 def announcements_complete(client: redis.Redis, heartbeat_seconds: float) -> bool:

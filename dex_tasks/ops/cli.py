@@ -285,6 +285,87 @@ def sweep(
     console.print_json(json.dumps(run_all(rt)))
 
 
+@app.command()
+def status(
+    check: str | None = typer.Option(
+        None, "--check",
+        help="Check one part only, for a container's healthcheck: 'worker' (a worker on this "
+             "host has announced itself) or 'beat' (a sweep ran within 3 sweep intervals).",
+    ),
+) -> None:
+    """Whether the store and Redis answer, which workers are alive, and whether beat sweeps.
+
+    Exits 1 when something is wrong (each line says what to do), 0 otherwise.
+    """
+    import socket
+
+    import redis
+    from sqlalchemy import text
+
+    from dex_tasks.broker.metrics import (
+        BEAT_LATE_INTERVALS,
+        beat_is_late,
+        last_sweep_at,
+        metrics_redis,
+    )
+    from dex_tasks.broker.routing import live_workers
+    from dex_tasks.logs import redact
+
+    if check not in (None, "worker", "beat"):
+        raise typer.BadParameter("must be worker or beat", param_hint="--check")
+    settings = DexSettings()
+    problems: list[str] = []
+    lines: list[str] = []
+    if check is None:
+        store = Store(settings.database_url)
+        try:
+            with store.read() as conn:
+                conn.execute(text("SELECT 1"))
+            lines.append(f"store    ok  {redact(settings.database_url)}")
+        except DexError as err:
+            problems.append(f"store    DOWN  {err}")
+        finally:
+            store.close()
+    try:
+        client = metrics_redis(settings)
+        workers = live_workers(client)
+        last = last_sweep_at(client)
+    except redis.RedisError as err:
+        typer.echo(f"redis    DOWN  {redact(settings.redis_url)}: {err}", err=True)
+        raise typer.Exit(1) from None  # workers and beat are announced in Redis: unknown
+    if check is None:
+        lines.append(f"redis    ok  {redact(settings.redis_url)}")
+    interval = settings.sweep_interval_seconds
+    if check in (None, "worker"):
+        host = socket.gethostname()
+        mine = [w for w in workers if w.get("host") == host]
+        if check == "worker" and not mine:
+            problems.append(f"worker   NONE on {host}: no worker here announced itself in "
+                            "Redis (is `dex-tasks worker` running and reaching Redis?)")
+        elif not workers:
+            problems.append("workers  NONE alive: start `dex-tasks worker --tools MODULE`; "
+                            "calls wait in their queues meanwhile")
+        else:
+            lines.extend(f"worker   {w.get('node')} ({w.get('pool')} x{w.get('concurrency')}, "
+                         f"{len(w.get('tools') or [])} tools)"
+                         for w in (mine if check == "worker" else workers))
+    if check in (None, "beat"):
+        ago = "never" if last is None else f"{time.time() - last:.0f}s ago"
+        if beat_is_late(last, interval):
+            problems.append(
+                f"beat     LATE  last sweep {ago}, expected every {interval:g}s (late after "
+                f"{BEAT_LATE_INTERVALS}): start `dex-tasks beat`; until it runs, approval "
+                "deadlines are not enforced and lost calls are not recovered")
+        else:
+            lines.append(f"beat     ok  last sweep {ago} (every {interval:g}s)")
+    for line in lines:
+        typer.echo(line)
+    for line in problems:
+        typer.echo(line, err=True)
+    if problems:
+        raise typer.Exit(1)
+
+
 @app.command("calls")
 def list_calls(
     session_id: str = typer.Argument(..., help="The session whose calls to list."),
