@@ -1,49 +1,107 @@
 """dex-tasks: run AI agents' tool calls as Celery tasks whose behaviour follows the effect class.
 
-The public names are re-exported here; see ``DESIGN.md`` for the contract they keep.
+The public names are importable from here (``from dex_tasks import DexClient, tool``); they are
+the names the project keeps stable (docs/reference.md lists them). Each is imported on first
+use (PEP 562), so ``import dex_tasks`` costs almost nothing: an agent process that only needs
+``DexClient`` never imports the worker side, and a tool module that only needs ``@tool`` never
+imports Celery's app or SQLAlchemy.
 """
 
-from dex_tasks.agent.async_client import AsyncDexClient
-from dex_tasks.agent.calls import ToolCallRequest
-from dex_tasks.agent.client import DexClient, idempotency_key
-from dex_tasks.agent.reconcile import report_unknown_outcomes, report_unknown_outcomes_sync
-from dex_tasks.errors import (
-    CallNotFoundError,
-    ConfigurationError,
-    ConflictError,
-    DexError,
-    ForbiddenSessionError,
-    IllegalTransitionError,
-    InvalidArgumentError,
-    InvalidCallError,
-    InvalidTokenError,
-    OutcomeUnknownError,
-    SchemaOutOfDateError,
-    StoreUnavailableError,
-    ToolDefinitionError,
-    TransientToolError,
-    UnknownToolError,
-)
-from dex_tasks.policy import EffectClass, InvalidPolicyError, ToolPolicy
-from dex_tasks.registry import Tool, ToolContext, define_tool, tool
-from dex_tasks.settings import DexSettings
-from dex_tasks.states import (
-    OUTCOME_UNKNOWN_TOOL_RESULT,
-    TOOL_DID_NOT_RUN,
-    CallStatus,
-    MessageRole,
-)
-from dex_tasks.store.catalog import ToolSpec
-from dex_tasks.store.deadlines import APPROVAL_DEADLINE_PASSED, APPROVAL_REJECTED
-from dex_tasks.store.records import (
-    AgentSnapshot,
-    CallEvent,
-    Decision,
-    PendingInterrupt,
-    SessionMessage,
-    ToolCallRecord,
-)
-from dex_tasks.tokens import TokenClaims, issue_token, verify_token
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dex_tasks.agent.async_client import AsyncDexClient
+    from dex_tasks.agent.calls import ToolCallRequest
+    from dex_tasks.agent.client import DexClient, idempotency_key
+    from dex_tasks.agent.reconcile import report_unknown_outcomes, report_unknown_outcomes_sync
+    from dex_tasks.errors import (
+        CallNotFoundError,
+        ConfigurationError,
+        ConflictError,
+        DexError,
+        ForbiddenSessionError,
+        IllegalTransitionError,
+        InvalidArgumentError,
+        InvalidCallError,
+        InvalidTokenError,
+        OutcomeUnknownError,
+        SchemaOutOfDateError,
+        StoreUnavailableError,
+        ToolDefinitionError,
+        TransientToolError,
+        UnknownToolError,
+    )
+    from dex_tasks.policy import EffectClass, InvalidPolicyError, ToolPolicy
+    from dex_tasks.registry import Tool, ToolContext, define_tool, tool
+    from dex_tasks.settings import DexSettings
+    from dex_tasks.states import (
+        OUTCOME_UNKNOWN_TOOL_RESULT,
+        TOOL_DID_NOT_RUN,
+        CallStatus,
+        MessageRole,
+    )
+    from dex_tasks.store.catalog import ToolSpec
+    from dex_tasks.store.deadlines import APPROVAL_DEADLINE_PASSED, APPROVAL_REJECTED
+    from dex_tasks.store.records import (
+        AgentSnapshot,
+        CallEvent,
+        Decision,
+        PendingInterrupt,
+        SessionMessage,
+        ToolCallRecord,
+    )
+    from dex_tasks.tokens import TokenClaims, issue_token, verify_token
+_LAZY: dict[str, str] = {
+    "AsyncDexClient": "dex_tasks.agent.async_client",
+    "ToolCallRequest": "dex_tasks.agent.calls",
+    "DexClient": "dex_tasks.agent.client",
+    "idempotency_key": "dex_tasks.agent.client",
+    "report_unknown_outcomes": "dex_tasks.agent.reconcile",
+    "report_unknown_outcomes_sync": "dex_tasks.agent.reconcile",
+    "CallNotFoundError": "dex_tasks.errors",
+    "ConfigurationError": "dex_tasks.errors",
+    "ConflictError": "dex_tasks.errors",
+    "DexError": "dex_tasks.errors",
+    "ForbiddenSessionError": "dex_tasks.errors",
+    "IllegalTransitionError": "dex_tasks.errors",
+    "InvalidArgumentError": "dex_tasks.errors",
+    "InvalidCallError": "dex_tasks.errors",
+    "InvalidTokenError": "dex_tasks.errors",
+    "OutcomeUnknownError": "dex_tasks.errors",
+    "SchemaOutOfDateError": "dex_tasks.errors",
+    "StoreUnavailableError": "dex_tasks.errors",
+    "ToolDefinitionError": "dex_tasks.errors",
+    "TransientToolError": "dex_tasks.errors",
+    "UnknownToolError": "dex_tasks.errors",
+    "EffectClass": "dex_tasks.policy",
+    "InvalidPolicyError": "dex_tasks.policy",
+    "ToolPolicy": "dex_tasks.policy",
+    "Tool": "dex_tasks.registry",
+    "ToolContext": "dex_tasks.registry",
+    "define_tool": "dex_tasks.registry",
+    "tool": "dex_tasks.registry",
+    "DexSettings": "dex_tasks.settings",
+    "CallStatus": "dex_tasks.states",
+    "MessageRole": "dex_tasks.states",
+    "OUTCOME_UNKNOWN_TOOL_RESULT": "dex_tasks.states",
+    "TOOL_DID_NOT_RUN": "dex_tasks.states",
+    "ToolSpec": "dex_tasks.store.catalog",
+    "APPROVAL_DEADLINE_PASSED": "dex_tasks.store.deadlines",
+    "APPROVAL_REJECTED": "dex_tasks.store.deadlines",
+    "AgentSnapshot": "dex_tasks.store.records",
+    "CallEvent": "dex_tasks.store.records",
+    "Decision": "dex_tasks.store.records",
+    "PendingInterrupt": "dex_tasks.store.records",
+    "SessionMessage": "dex_tasks.store.records",
+    "ToolCallRecord": "dex_tasks.store.records",
+    "TokenClaims": "dex_tasks.tokens",
+    "issue_token": "dex_tasks.tokens",
+    "verify_token": "dex_tasks.tokens",
+}
+"""Each public name and the module that defines it."""
 
 __all__ = [
     "APPROVAL_DEADLINE_PASSED",
@@ -92,3 +150,16 @@ __all__ = [
     "tool",
     "verify_token",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dex_tasks' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup is an ordinary attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

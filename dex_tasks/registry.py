@@ -7,15 +7,18 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from dex_tasks.errors import ToolDefinitionError
 from dex_tasks.limits import TOOL_NAME_MAX, check_id, text_problem
 from dex_tasks.policy import EffectClass, ToolPolicy, parse_effect
+
+if TYPE_CHECKING:
+    # jsonschema costs a third of a second to import, and only tools defined from a JSON
+    # schema (define_tool, MCP) use it: it is imported where they are built.
+    from jsonschema import Draft202012Validator
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -79,7 +82,7 @@ class Tool(Generic[R]):
             self._schema = self.arguments_model.model_json_schema()
         else:
             self._schema = _checked_schema(name, parameters)
-            self._validator = Draft202012Validator(self._schema)
+            self._validator = schema_validator(self._schema)
         self.reconcile_fn: Callable[[str, dict[str, Any]], str | None] | None = None
         self.__doc__ = self.description
         self.__name__ = getattr(fn, "__name__", name)
@@ -246,6 +249,9 @@ def _explicit_policy(
 
 
 def _checked_schema(tool_name: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
     schema = dict(parameters)
     try:
         Draft202012Validator.check_schema(schema)
@@ -263,6 +269,8 @@ def _checked_schema(tool_name: str, parameters: Mapping[str, Any]) -> dict[str, 
 
 def schema_validator(schema: Mapping[str, Any]) -> Draft202012Validator:
     """A validator for a tool's published argument schema."""
+    from jsonschema import Draft202012Validator
+
     return Draft202012Validator(dict(schema))
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dex_tasks"
 
-RANK = {"": 0, "store": 1, "broker": 2, "agent": 3, "worker": 3, "api": 4, "ops": 5}
+RANK = {"": 0, "store": 1, "broker": 2, "agent": 3, "worker": 3, "examples": 3, "api": 4,
+        "ops": 5}
 # Entry points that re-export or wire up the layers: the package's public names and the
 # module Celery's own tools load (``celery -A dex_tasks``).
 ENTRY_POINTS = {"dex_tasks", "dex_tasks.celery"}

@@ -205,8 +205,9 @@ def beat(
     loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
     log_format: str = LOG_FORMAT_OPTION,
 ) -> None:
-    """Run Celery beat with the schedule from beat_schedule.py; it runs the sweeps itself."""
-    import beat_schedule
+    """Run Celery beat with the schedule of dex_tasks/worker/schedule.py; it runs the sweeps
+    itself."""
+    from dex_tasks.worker import schedule as beat_schedule
 
     settings = DexSettings()
     setup_process_logging(log_format, loglevel, _secret_or_none(settings),
@@ -274,7 +275,7 @@ def sweep(
              "(default: DEX_TOOLS).",
     ),
 ) -> None:
-    """Run every periodic job of beat_schedule.py once, now."""
+    """Run every periodic job of the beat schedule once, now."""
     from dex_tasks.worker.execution import runtime
     from dex_tasks.worker.sweeps import run_all
 

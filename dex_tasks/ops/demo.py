@@ -44,7 +44,7 @@ from dex_tasks.settings import DexSettings
 from dex_tasks.states import OUTCOME_UNKNOWN_TOOL_RESULT, CallStatus, MessageRole
 from dex_tasks.store.records import AgentSnapshot, ToolCallRecord
 
-TOOLS = "workers.example_tools"
+TOOLS = "dex_tasks.examples.tools"
 LEDGER_ENV = "DEX_EXAMPLE_LEDGER"
 
 # Short windows so every path finishes in seconds; a user's own values win.
@@ -283,7 +283,7 @@ class Agent:
                      str(final.error))
 
     def reconcile(self) -> Check:
-        import workers.example_tools  # noqa: F401 - registers charge_card's reconciler here
+        import dex_tasks.examples.tools  # noqa: F401 - registers charge_card's reconciler here
         from dex_tasks.agent.async_client import AsyncDexClient
         from dex_tasks.agent.reconcile import report_unknown_outcomes
         from dex_tasks.worker.reconcilers import reconciler_for
@@ -352,12 +352,12 @@ class Agent:
     # -- helpers --------------------------------------------------------------------------------
 
     def executions(self, key: str) -> int:
-        from workers import ledger
+        from dex_tasks.examples import ledger
 
         return ledger.executions(self.stack.env[LEDGER_ENV])[key]
 
     def _running_pid(self, key: str) -> int:
-        from workers import ledger
+        from dex_tasks.examples import ledger
 
         deadline = time.monotonic() + PATH_TIMEOUT
         while time.monotonic() < deadline:
