@@ -27,9 +27,10 @@ beat:
 api:
 	.venv/bin/dex-tasks api
 
-## make demo: the whole system on embedded Redis + SQLite, every path, a summary table
+## make demo: the whole system on embedded Redis + SQLite, every path, a summary table; then it
+## keeps running, a refund waiting for you on the session page, until Ctrl-C
 demo:
-	.venv/bin/dex-tasks demo
+	.venv/bin/dex-tasks demo --keep-running
 
 ## make bench: dex-tasks vs raw Celery side by side (throughput, one call at a time, call_tools,
 ## I/O-bound calls on the threads pool), /metrics scrape cost, sweep scale, worker memory; the

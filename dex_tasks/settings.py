@@ -104,6 +104,11 @@ class DexSettings(BaseSettings):
         default=None,
         description="Tool modules (a.b,c) the worker imports when --tools is not given.",
     )
+    secrets_dir: Path | None = Field(
+        default=None,
+        description="A folder of secret files named like the variables (DEX_SECRET_KEY, "
+        "DEX_DATABASE_URL, ...), as Docker and Kubernetes mount them; a set variable wins.",
+    )
     metrics_token: SecretStr | None = Field(
         default=None,
         description="Bearer token GET /metrics requires (give it to Prometheus); unset, "
@@ -138,8 +143,15 @@ class DexSettings(BaseSettings):
     def __init__(self, **values: Any) -> None:
         # pydantic's own error is a dozen lines naming the field (lease_seconds), not the
         # variable the user set (DEX_LEASE_SECONDS): one line per mistake, saying what to put.
+        # Docker and Kubernetes secrets are files (/run/secrets/DEX_SECRET_KEY): with
+        # DEX_SECRETS_DIR set, each setting without its variable is read from the file of
+        # that name there (a variable still wins).
+        secrets = values.pop("_secrets_dir", None) or os.environ.get("DEX_SECRETS_DIR") or None
+        if secrets is not None and not Path(secrets).is_dir():
+            raise ConfigurationError(f"DEX_SECRETS_DIR={str(secrets)!r} is not a directory: point "
+                                     "it at the folder of secret files (e.g. /run/secrets)")
         try:
-            super().__init__(**values)
+            super().__init__(_secrets_dir=secrets, **values)
         except ValidationError as err:
             raise ConfigurationError(describe_errors(err)) from None
 

@@ -81,3 +81,28 @@ def test_a_conflicting_repeat_says_what_differs_in_plain_words() -> None:
         ConflictError("s/t/c", "arguments"))
     assert "with another tool;" in str(ConflictError("s/t/c", "tool"))
     assert "with another expires_in;" in str(ConflictError("s/t/c", "expires_in"))
+
+
+def test_settings_are_read_from_secret_files_and_a_variable_wins(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    from pathlib import Path
+
+    from dex_tasks import DexSettings
+
+    # Given a folder of secret files as Docker and Kubernetes mount them
+    secrets = Path(str(tmp_path))
+    (secrets / "DEX_SECRET_KEY").write_text("key-from-a-file\n")
+    (secrets / "DEX_LEASE_SECONDS").write_text("45")
+    monkeypatch.setenv("DEX_SECRETS_DIR", str(secrets))
+    for name in ("DEX_SECRET_KEY", "DEX_LEASE_SECONDS"):
+        monkeypatch.delenv(name, raising=False)
+    settings = DexSettings()
+    assert settings.signing_key() == "key-from-a-file" and settings.lease_seconds == 45
+    # When the variable is set too, it wins
+    monkeypatch.setenv("DEX_LEASE_SECONDS", "12")
+    assert DexSettings().lease_seconds == 12
+    # And a folder that is not there is one clear line
+    monkeypatch.setenv("DEX_SECRETS_DIR", str(secrets / "missing"))
+    with pytest.raises(ConfigurationError, match=r"DEX_SECRETS_DIR='.*missing' is not a "
+                                                 r"directory"):
+        DexClient.from_env()

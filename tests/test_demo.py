@@ -79,7 +79,9 @@ def test_demo_reaches_every_announced_outcome_and_leaves_nothing_behind(marker: 
     assert "FAILED" not in out
     for path in PATHS:
         assert re.search(rf"^ok {re.escape(path)}: ", out, re.M), f"{path!r} not ok:\n{out}"
-    assert re.search(r"/sessions/demo-[0-9a-f]+\?token=\S+", out)
+    # No link to a page that stops with the demo: the session, and how to keep it up
+    assert not re.search(r"/sessions/demo-[0-9a-f]+\?token=", out)
+    assert "`dex-tasks demo --keep-running` keeps it up" in out
     assert "redis-server from" in out
     # And the agent printed the transcript the model reads: the seeds' cancel_order approved
     # and rejected, the killed charge's unknown outcome, then its report
@@ -121,6 +123,10 @@ def test_keep_running_on_configured_redis_and_store_until_ctrl_c(
         import httpx
 
         assert httpx.get(f"{api.group(1)}/healthz", timeout=5).status_code == 200
+        # And every page link it printed is live while it runs
+        links = re.findall(r"(http://127\.0\.0\.1:\d+/sessions/demo-[0-9a-f]+\?token=\S+)", text)
+        assert len(links) == 2, text
+        assert all(httpx.get(link, timeout=5).status_code == 200 for link in links)
         settings = DexSettings(redis_url=redis_url, database_url=sqlite_url)
         with DexClient(settings) as client:
             session = re.search(r"session (demo-[0-9a-f]+)", text)

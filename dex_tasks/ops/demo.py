@@ -97,9 +97,12 @@ class Outcome:
 class Agent:
     """Drives one session through every path and records each outcome."""
 
-    def __init__(self, stack: Stack, console: Console) -> None:
+    def __init__(self, stack: Stack, console: Console, *, page_stays_up: bool = False) -> None:
         self.stack = stack
         self.console = console
+        # Without --keep-running the API stops with the demo, so a link printed now would be
+        # dead by the time anyone opens it: the session is named, the link is not.
+        self.page_stays_up = page_stays_up
         self.client = DexClient(stack.settings)
         self.session = f"demo-{uuid.uuid4().hex[:8]}"
         self.secret = stack.settings.signing_key()
@@ -152,9 +155,15 @@ class Agent:
     # -- the paths ------------------------------------------------------------------------------
 
     def run(self) -> list[Outcome]:
-        page_token = self.token(ttl=24 * 3600, approver="you (approval page)")
-        self.console.print(f"\nsession [bold]{self.session}[/]; its approval page:\n"
-                           f"  {self.page_url(page_token)}\n", highlight=False, soft_wrap=True)
+        if self.page_stays_up:
+            page_token = self.token(ttl=24 * 3600, approver="you (approval page)")
+            self.console.print(f"\nsession [bold]{self.session}[/]; its approval page:\n"
+                               f"  {self.page_url(page_token)}\n", highlight=False,
+                               soft_wrap=True)
+        else:
+            self.console.print(f"\nsession [bold]{self.session}[/] (its approval page stops "
+                               "with the demo: `dex-tasks demo --keep-running` keeps it up)\n",
+                               highlight=False, soft_wrap=True)
         # Asked first so its deadline runs out while the other paths play.
         expiring = self.call("refund_payment", {"charge_id": "ch_expire", "amount_cents": 300},
                              approval_deadline=EXPIRY_SECONDS)
@@ -541,7 +550,7 @@ class Demo:
                       highlight=False)
 
     def _drive(self) -> None:
-        self.agent = Agent(self.stack, self.console)
+        self.agent = Agent(self.stack, self.console, page_stays_up=self.keep_running)
         outcomes = self.agent.run()
         self.console.print()
         self.console.print(summary_table(outcomes))
