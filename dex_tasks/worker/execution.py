@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
-from billiard.exceptions import SoftTimeLimitExceeded
+from billiard.exceptions import SoftTimeLimitExceeded, WorkerLostError
 from celery import Celery, Task
 
 from dex_tasks.broker import notify
@@ -410,10 +410,11 @@ def _attempt_retrying(rt: Runtime, call: ToolCallRow, tool: Any, arguments: dict
             assert lost.status is not None
             return _end(rt, key, owner, lost.status, lost.error, "attempts_exhausted")
         return _end(rt, key, owner, CallStatus.FAILED, decision.error, "attempts_exhausted")
-    except SystemExit:
+    except SystemExit as err:
         # The process is exiting (the worker is stopping it, or the tool called sys.exit):
-        # that is a lost worker, which the main process records (DexRequest).
-        raise
+        # that is a lost worker, which the main process records (DexRequest). In a pool
+        # thread nothing exits: see _exited_in_thread.
+        return _exited_in_thread(rt, call, owner, err)
     except BaseException as err:  # noqa: BLE001 - see _tool_error
         return _tool_error(rt, key, owner, err)
     return _succeed(rt, key, owner, value)
@@ -491,11 +492,34 @@ def _attempt_once(rt: Runtime, call: ToolCallRow, tool: Any, arguments: dict[str
             return Outcome(None, why=_SUPERSEDED)
         ended = rt.store.get_call(key)
         return Outcome(status, ended.error if ended else None)
-    except SystemExit:
-        raise  # a lost worker: see _attempt_retrying
+    except SystemExit as err:
+        return _exited_in_thread(rt, call, owner, err)  # a lost worker: see _attempt_retrying
     except BaseException as err:  # noqa: BLE001 - see _tool_error
         return _tool_error(rt, key, owner, err)
     return _succeed(rt, key, owner, value)
+
+
+def _exited_in_thread(rt: Runtime, call: ToolCallRow, owner: str, err: SystemExit) -> Outcome:
+    """A tool called ``sys.exit()``: a lost worker, recorded at once.
+
+    In a prefork child the exit goes on, the child dies and the main process records the loss
+    (``DexRequest``). In a pool thread (``-P threads``) it would only end the thread's task:
+    Celery's threads pool hands the error to the request's success callback, which drops it,
+    so the call stayed ``running`` with its lease renewed for ever and its slot taken. So the
+    thread records the loss itself, as the main process would: a single-attempt call ends
+    ``outcome_unknown``, a retrying call is queued again while attempts are left (its message
+    sent through ``Task.retry``), and the request ends normally, freeing its slot.
+    """
+    if threading.current_thread() is threading.main_thread():
+        raise err
+    reason = f"the tool exited its worker thread ({_error_text(err)}), a lost worker"
+    status = handle_lost_attempt(rt, call.key, owner, reason, republish=False)
+    if status is None:
+        return Outcome(None, why=_SUPERSEDED)
+    if status is CallStatus.QUEUED:
+        return Outcome(status, reason, cause=WorkerLostError(reason))
+    ended = rt.store.get_call(call.key)
+    return Outcome(status, ended.error if ended else reason)
 
 
 def _outcome_unknown(rt: Runtime, key: str, owner: str, err: OutcomeUnknownError) -> Outcome:
