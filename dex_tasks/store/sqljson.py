@@ -27,7 +27,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.types import JSON, TypeDecorator, TypeEngine
 
-_REPLACEMENT = "\ufffd"
+from dex_tasks.limits import storable_text
 
 
 def _storable(value: Any) -> Any:
@@ -39,13 +39,7 @@ def _storable(value: Any) -> Any:
     fails and leaves its call stuck.
     """
     if isinstance(value, str):
-        if "\x00" in value:
-            value = value.replace("\x00", _REPLACEMENT)
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            value = "".join(_REPLACEMENT if 0xD800 <= ord(ch) <= 0xDFFF else ch for ch in value)
-        return value
+        return storable_text(value)
     if isinstance(value, dict):
         return {_storable(k): _storable(v) for k, v in value.items()}
     if isinstance(value, list):
