@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any
 
 from sqlalchemy import func, select
 
@@ -209,6 +210,22 @@ def restore_orphaned_messages(rt: Runtime, now: float | None = None) -> int:
     return routing.restore_orphans(rt.app, held, received_before=now - ttl)
 
 
+def _queued_tools() -> Any:
+    """The distinct tools of the queued calls, by a loose index scan (a recursive CTE that
+    asks the ``(status, tool, effect)`` index for the next tool after the last): as many
+    index probes as there are tools, however many calls are queued, on both engines."""
+    queued = CALLS.c.status == CallStatus.QUEUED.value
+    tools = select(func.min(CALLS.c.tool).label("tool")).where(queued).cte(
+        "queued_tools", recursive=True)
+    after = select(func.min(CALLS.c.tool)).where(queued, CALLS.c.tool > tools.c.tool)
+    tools = tools.union_all(
+        select(after.scalar_subquery()).where(tools.c.tool.is_not(None)))
+    return select(tools.c.tool).where(tools.c.tool.is_not(None))
+
+
+QUEUED_TOOLS = _queued_tools()
+
+
 def expire_unserved(rt: Runtime, now: float | None = None, limit: int = 500) -> int:
     """End "did not run" the queued calls whose tool no live worker serves, once their queue
     deadline passed: ``expires_at`` when the call gave ``expires_in``, else
@@ -225,11 +242,17 @@ def expire_unserved(rt: Runtime, now: float | None = None, limit: int = 500) -> 
     queued_since = func.coalesce(CALLS.c.published_at, CALLS.c.created_at)
     overdue = (CALLS.c.expires_at < now) | (
         CALLS.c.expires_at.is_(None) & (queued_since < now - rt.settings.queue_deadline_seconds))
-    stmt = select(CALLS).where(CALLS.c.status == CallStatus.QUEUED.value, overdue)
-    if served:
-        stmt = stmt.where(CALLS.c.tool.not_in(sorted(served)))
     with rt.store.read() as conn:
-        calls = readable_calls(conn.execute(stmt.limit(limit)).mappings().all())
+        # Index ranges only, never a walk of the queue: the tools with queued calls first (a
+        # loose scan of the (status, tool, ...) index, one probe per tool), then the queued
+        # calls of the unserved ones among them. A backlog of served tools is never read
+        # (with ``tool NOT IN (served)`` every sweep read every queued call: ~150 ms at 500k
+        # queued on PostgreSQL).
+        unserved = sorted(set(conn.execute(QUEUED_TOOLS).scalars()) - served)
+        calls = readable_calls(conn.execute(
+            select(CALLS).where(CALLS.c.status == CallStatus.QUEUED.value,
+                                CALLS.c.tool.in_(unserved), overdue).limit(limit)
+        ).mappings().all()) if unserved else []
     ending: list[Move] = []
     for call in calls:
         if call.expires_at is not None:
