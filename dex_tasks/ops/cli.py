@@ -567,7 +567,8 @@ def prune(
     store = Store(settings.database_url)
     try:
         store.create_all()
-        result = run_prune(store, seconds, batch=batch or settings.prune_batch)
+        result = run_prune(store, seconds, batch=batch or settings.prune_batch,
+                           on_pruned=_forget_claims(settings))
     finally:
         store.close()
     typer.echo(
@@ -579,6 +580,26 @@ def prune(
     if result.kept_unreported or result.kept_open_turn:
         typer.echo(f"kept {result.kept_unreported} outcome_unknown calls not yet reported and "
                    f"{result.kept_open_turn} calls of turns still open")
+
+
+def _forget_claims(settings: DexSettings) -> Callable[[list[str]], None]:
+    """What prune does with the keys of the single-attempt calls it deleted: delete their Redis
+    claims (best effort: unreachable Redis only keeps them until their TTL; the tombstones
+    in the store are what keeps a replay from running)."""
+    from dex_tasks.broker.redis_clients import redis_client
+    from dex_tasks.worker import claims
+
+    client = redis_client(settings, socket_timeout=5)
+
+    def forget(keys: list[str]) -> None:
+        try:
+            claims.forget(client, keys)
+        except Exception as err:  # noqa: BLE001 - the claims expire on their own
+            logging.getLogger("dex_tasks").warning(
+                "could not delete the Redis claims of pruned calls: %s", err,
+                extra={"action": "prune_claims_error", "count": len(keys)})
+
+    return forget
 
 
 def main(argv: list[str] | None = None) -> None:
