@@ -88,6 +88,7 @@ from dex_tasks.api.schemas import (
 )
 from dex_tasks.broker.metrics import metrics_redis, render_metrics
 from dex_tasks.errors import InvalidArgumentError, StoreUnavailableError
+from dex_tasks.logs import redact_logger
 from dex_tasks.settings import DexSettings
 from dex_tasks.store.records import AgentSnapshot
 from dex_tasks.tokens import OPERATE, VIEW, TokenClaims
@@ -408,6 +409,9 @@ def create_api(
     ``max_body_bytes`` the largest request body any route accepts.
     """
     secret = settings.signing_key()  # first: no API at all without a real signing key
+    # Page links carry ?token=: uvicorn's access log must never show it, however the app is
+    # served (`dex-tasks api`, or `uvicorn --factory ...` with uvicorn's own log formatters).
+    redact_logger("uvicorn.access")
     client = DexClient(settings)
 
     @asynccontextmanager
