@@ -6,9 +6,10 @@ the ledger, so a test can tell that it ran exactly once.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from dex_tasks import ToolContext, tool
+from dex_tasks import OutcomeUnknownError, ToolContext, tool
 from workers import ledger
 
 
@@ -48,3 +49,21 @@ def unprintable_error(ctx: ToolContext) -> dict[str, Any]:
     """A write that fails with an exception whose ``__str__`` raises."""
     ledger.record("unprintable_error", ctx.idempotency_key, ctx.attempt)
     raise Unprintable()
+
+
+@tool(effect="non_idempotent_write", requires_approval=False)
+def unsure_slow_check(ctx: ToolContext, n: int) -> dict[str, Any]:
+    """A write that always ends outcome_unknown; its checker is slow and never knows."""
+    ledger.record("unsure_slow_check", ctx.idempotency_key, ctx.attempt)
+    raise OutcomeUnknownError("the provider dropped the connection")
+
+
+@unsure_slow_check.reconciler
+def _slow_check(key: str, arguments: dict[str, Any]) -> str | None:
+    started = time.time()
+    time.sleep(CHECK_SECONDS)
+    ledger.record("check", f"check:{key}", 0, started=started, ended=time.time())
+    return None
+
+
+CHECK_SECONDS = 0.25
