@@ -20,7 +20,14 @@ from dex_tasks.broker.celery_app import publish
 from dex_tasks.errors import StoreUnavailableError
 from dex_tasks.policy import EffectClass
 from dex_tasks.states import CallStatus
-from dex_tasks.store import CALLS, Move, deadlines, readable_calls, transcript
+from dex_tasks.store import (
+    CALLS,
+    Move,
+    bounded_statements,
+    deadlines,
+    readable_calls,
+    transcript,
+)
 from dex_tasks.store.models import ToolCallRow
 from dex_tasks.worker import claims
 from dex_tasks.worker.execution import (
@@ -293,7 +300,11 @@ def run_job(rt: Runtime, job: str, now: float | None = None) -> int:
     if not got_lock:
         return 0
     try:
-        count = fn(rt, now)
+        # Every transaction of a sweep is bounded: one stuck behind a lock a vanished host's
+        # session holds fails in seconds and runs again next turn; it never queues (issue 19).
+        with bounded_statements(rt.settings.sweep_statement_timeout_seconds,
+                                rt.settings.sweep_lock_timeout_seconds):
+            count = fn(rt, now)
     finally:
         try:
             rt.redis.delete(lock)
