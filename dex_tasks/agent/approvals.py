@@ -157,11 +157,11 @@ def resolve_interrupt(
                                           "interrupt_id": interrupt_id, "decision": decision,
                                           "approver": approver})
     if approved:
-        _publish_approved(store, app, key)
+        _publish_approved(store, app, key, now)
     return True
 
 
-def _publish_approved(store: Store, app: Celery, key: str) -> None:
+def _publish_approved(store: Store, app: Celery, key: str, approved_at: float) -> None:
     call = store.get_call(key)
     if call is None or call.status != CallStatus.QUEUED.value:
         return
@@ -170,6 +170,18 @@ def _publish_approved(store: Store, app: Celery, key: str) -> None:
     except Exception:  # noqa: BLE001 - it stays queued; the republisher sweep sends it
         log.warning("publish after approval failed; left for the republisher",
                     extra={"action": "approval_publish_failed", "key": key})
+        # Never published, and said so: the republisher sends a call with no publish at its
+        # next sweep once Redis answers, where the published_at of the approval would have
+        # kept it waiting a whole window (5 minutes by default). Guarded on that value, so a
+        # republish that landed meanwhile is not undone.
+        try:
+            with store.write() as conn:
+                conn.execute(update(CALLS).where(
+                    CALLS.c.key == key, CALLS.c.status == CallStatus.QUEUED.value,
+                    CALLS.c.published_at == approved_at).values(published_at=None))
+        except Exception:  # noqa: BLE001 - the republisher still sends it, a window later
+            log.warning("could not mark an approved call unpublished",
+                        extra={"action": "approval_publish_failed", "key": key})
 
 
 def _rows(result: CursorResult[Any]) -> list[dict[str, Any]]:

@@ -145,6 +145,11 @@ def worker(
     ),
     loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
     log_format: str = LOG_FORMAT_OPTION,
+    events: bool = typer.Option(
+        False, "-E", "--events",
+        help="Send Celery task events (for `celery events` and Flower's task lists); off by "
+             "default, as in Celery, since each costs a Redis publish.",
+    ),
 ) -> None:
     """Run a Celery worker for the tools in MODULE[,MODULE], consuming their queues."""
     from dex_tasks.broker.routing import ServeSelectionError, select_tools
@@ -173,6 +178,9 @@ def worker(
     from dex_tasks.worker.main_process import worker_app
 
     celery = worker_app(settings, served, pool=pool, concurrency=concurrency)
+    # Set on the app (not only Celery's -E) so the task bodies' own events (task-ignored, see
+    # task_states.ignored) follow the same switch.
+    celery.conf.worker_send_task_events = events
     celery.worker_main([
         # JSON logs: no banner, so every line a collector reads is one JSON object.
         *(["--quiet"] if log_format == "json" else []),
