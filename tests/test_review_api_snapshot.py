@@ -131,3 +131,5 @@ def test_openapi_documents_the_snapshot_page(http: TestClient) -> None:
     assert params["limit"]["schema"]["default"] == 200
     page = schema["components"]["schemas"]["SnapshotPage"]["properties"]
     assert {"messages_more", "calls_more", "event_cursor"} <= set(page)
+    events = schema["paths"]["/sessions/{session_id}/events"]["get"]["responses"]
+    assert "DEX_MAX_EVENT_STREAMS_PER_TOKEN" in events["429"]["description"]
