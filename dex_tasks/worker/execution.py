@@ -43,7 +43,7 @@ from dex_tasks.policy import EffectClass
 from dex_tasks.registry import InvalidArguments, ToolContext, get_local_tool, strings_problem
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
-from dex_tasks.store import INHERITED, Move, Store
+from dex_tasks.store import INHERITED, Move, NetworkBounds, Store
 from dex_tasks.store.models import ToolCallRow
 from dex_tasks.worker import claims, retry
 from dex_tasks.worker.task_states import Outcome, failure, ignored, report
@@ -83,7 +83,8 @@ def runtime(app: Celery) -> Runtime:
             _runtime = Runtime(
                 settings=settings,
                 store=Store(settings.database_url,
-                            retry_seconds=settings.store_retry_seconds),
+                            retry_seconds=settings.store_retry_seconds,
+                            network=NetworkBounds.from_settings(settings)),
                 redis=redis_client(settings, socket_timeout=10),
                 app=app,
             )
@@ -246,9 +247,21 @@ def after_lost_attempt(rt: Runtime, call: ToolCallRow, move: Move, *, republish:
         try:
             publish(rt.app, call)
         except Exception:  # noqa: BLE001 - the republisher sweep picks it up
-            log.warning("republish failed", extra={"action": "republish_failed",
-                                                   "key": call.key})
+            _message_lost(rt, call.key, "republish_failed")
     log.info("attempt lost, retrying", extra={"action": "attempt_lost", "key": call.key})
+
+
+def _message_lost(rt: Runtime, key: str, action: str) -> None:
+    """A queued call's message is known lost (its publish failed, or the delivery could not
+    claim it): mark it never published, which the republisher sends again on its next turn
+    once Redis answers, instead of a whole ``republish_after_seconds`` later."""
+    log.warning("call's message lost; the republisher sends it again", extra={
+        "action": action, "key": key})
+    try:
+        rt.store.mark_unpublished(key)
+    except Exception:  # then the republisher's window applies
+        log.warning("could not mark the call unpublished", exc_info=True,
+                    extra={"action": "mark_unpublished_failed", "key": key})
 
 
 def _exhausted_before_claim(rt: Runtime, call: ToolCallRow, why: str) -> Outcome:
@@ -518,7 +531,16 @@ def run_single_attempt(task: Task, key: str) -> None:
     # The Redis claim first: it turns a duplicate away without a store round trip. A worker
     # that dies between the two claims leaves the call queued, untouched by any tool, behind
     # a claim the republisher recognises as dead ("did not run").
-    if not claims.try_claim(rt.redis, key, owner, rt.settings.claim_ttl_seconds):
+    try:
+        first = claims.try_claim(rt.redis, key, owner, rt.settings.claim_ttl_seconds,
+                                 retry_seconds=rt.settings.claim_retry_seconds)
+    except redis.RedisError as err:
+        # The message is acknowledged and no tool ran: the republisher sends the call again
+        # as soon as Redis answers, not a whole window later (issue 19, P2).
+        _message_lost(rt, key, "claim_failed")
+        raise ignored(task, key, f"the Redis claim failed ({type(err).__name__}: {err}); "
+                                 "the call stays queued and is sent again") from err
+    if not first:
         log.info("claim taken, duplicate ignored", extra={"action": "duplicate_delivery",
                                                           "key": key})
         raise ignored(task, key, _DUPLICATE)

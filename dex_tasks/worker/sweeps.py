@@ -22,7 +22,14 @@ from dex_tasks.broker.celery_app import publish
 from dex_tasks.errors import StoreUnavailableError
 from dex_tasks.policy import EffectClass
 from dex_tasks.states import CallStatus
-from dex_tasks.store import CALLS, Move, deadlines, readable_calls, transcript
+from dex_tasks.store import (
+    CALLS,
+    Move,
+    bounded_statements,
+    deadlines,
+    readable_calls,
+    transcript,
+)
 from dex_tasks.store.models import ToolCallRow
 from dex_tasks.worker import claims
 from dex_tasks.worker.execution import (
@@ -384,7 +391,11 @@ def run_job(rt: Runtime, job: str, now: float | None = None) -> int:
     with _job_lock(rt, job) as got_lock:
         if not got_lock:
             return 0
-        count = fn(rt, now)
+        # Every transaction of a sweep is bounded: one stuck behind a lock a vanished host's
+        # session holds fails in seconds and runs again next turn; it never queues (issue 19).
+        with bounded_statements(rt.settings.sweep_statement_timeout_seconds,
+                                rt.settings.sweep_lock_timeout_seconds):
+            count = fn(rt, now)
     # Most runs find nothing to do, every few seconds on every beat: only work is news.
     log.log(logging.INFO if count else logging.DEBUG, "sweep done",
             extra={"action": "sweep", "job": job, "count": count})
