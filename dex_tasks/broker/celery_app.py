@@ -22,7 +22,7 @@ from typing import Any
 from celery import Celery
 from kombu.entity import Exchange, Queue
 
-from dex_tasks.broker.redis_clients import broker_options
+from dex_tasks.broker.redis_clients import broker_options, keepalive_options
 from dex_tasks.broker.routing import queue_for
 from dex_tasks.policy import EffectClass
 from dex_tasks.settings import DexSettings
@@ -49,6 +49,7 @@ def create_app(settings: DexSettings, *, publisher: bool = False) -> Celery:
         "socket_connect_timeout": settings.publish_timeout_seconds,
         "socket_timeout": max(5.0, settings.publish_timeout_seconds),
         "socket_keepalive": True,
+        "socket_keepalive_options": keepalive_options(),
         "health_check_interval": 10,
         **broker.pop("broker_transport_options"),
     }
