@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -219,3 +220,18 @@ def sse_result(response: httpx.Response) -> dict[str, Any]:
             if "result" in message:
                 return dict(message["result"])
     raise AssertionError(response.text)
+
+
+def test_without_the_mcp_extra_the_command_says_what_to_install(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    # Given an environment where the mcp SDK cannot be imported
+    (tmp_path / "mcp").mkdir()
+    (tmp_path / "mcp" / "__init__.py").write_text("raise ImportError('No module named mcp')\n")
+    done = subprocess.run([*dex_command(), "mcp"], cwd=ROOT, capture_output=True, text=True,
+                          env={**env, "PYTHONPATH": str(tmp_path)}, timeout=60, input="")
+    # Then one line names the extra, and nothing is served
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        'error: dex_tasks.integrations.mcp_server needs the mcp extra: '
+        'pip install "dex-tasks[mcp]"']

@@ -260,8 +260,10 @@ def mcp(
     log_format: str = LOG_FORMAT_OPTION,
 ) -> None:
     """Serve the published tools as an MCP server (stdio, or streamable HTTP with tokens)."""
+    # Loaded by name, as --tools modules are: the core never imports an integration (nor the
+    # mcp SDK); without the extra the import fails with the one line that names it.
     try:
-        from dex_tasks.integrations import mcp_server
+        mcp_server = importlib.import_module("dex_tasks.integrations.mcp_server")
     except ImportError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
