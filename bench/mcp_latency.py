@@ -113,7 +113,7 @@ def run_mcp_latency(*, calls: int, warmup: int = 20, out_dir: Path | None = None
             server.stop()
             worker.stop()
     base = median(samples["in_process"])
-    rows = [{"variant": v, "calls": len(s), "p50_ms": round(percentile(s, 50) * 1000, 3),
+    rows: list[dict[str, Any]] = [{"variant": v, "calls": len(s), "p50_ms": round(percentile(s, 50) * 1000, 3),
              "p99_ms": round(percentile(s, 99) * 1000, 3),
              "added_p50_ms": round((median(s) - base) * 1000, 3)} for v, s in samples.items()]
     table = Table(title=f"One no-op read at a time, caller's clock: {calls} calls per variant, "
@@ -121,7 +121,7 @@ def run_mcp_latency(*, calls: int, warmup: int = 20, out_dir: Path | None = None
     for column in ("variant", "p50 ms", "p99 ms", "added p50 ms"):
         table.add_column(column, justify="left" if column == "variant" else "right")
     for r in rows:
-        table.add_row(r["variant"], f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
+        table.add_row(str(r["variant"]), f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
                       f"{r['added_p50_ms']:+.2f}")
     console.print(table)
     payload = {"config": {"calls": calls, "warmup": warmup, "store": "sqlite",
