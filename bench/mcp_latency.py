@@ -113,9 +113,10 @@ def run_mcp_latency(*, calls: int, warmup: int = 20, out_dir: Path | None = None
             server.stop()
             worker.stop()
     base = median(samples["in_process"])
-    rows: list[dict[str, Any]] = [{"variant": v, "calls": len(s), "p50_ms": round(percentile(s, 50) * 1000, 3),
-             "p99_ms": round(percentile(s, 99) * 1000, 3),
-             "added_p50_ms": round((median(s) - base) * 1000, 3)} for v, s in samples.items()]
+    rows: list[dict[str, Any]] = [
+        {"variant": v, "calls": len(s), "p50_ms": round(percentile(s, 50) * 1000, 3),
+         "p99_ms": round(percentile(s, 99) * 1000, 3),
+         "added_p50_ms": round((median(s) - base) * 1000, 3)} for v, s in samples.items()]
     table = Table(title=f"One no-op read at a time, caller's clock: {calls} calls per variant, "
                         "interleaved", caption="added: p50 minus the in-process p50")
     for column in ("variant", "p50 ms", "p99 ms", "added p50 ms"):
