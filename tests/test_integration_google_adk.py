@@ -18,7 +18,6 @@ tested for:
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -32,17 +31,14 @@ from google.genai import types
 from dex_tasks import CallStatus, DexClient
 from dex_tasks.integrations.google_adk import dex_ids
 from tests.conftest import StartWorker
-from tests.helpers import ROOT
+from tests.helpers import ROOT, load_module
 from workers import ledger
 
 EXAMPLE = ROOT / "examples" / "google_adk_agent.py"
 
 
 def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("google_adk_agent", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module: ModuleType = load_module(EXAMPLE, "google_adk_agent")
     return module
 
 

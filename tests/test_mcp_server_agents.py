@@ -15,7 +15,6 @@ tested for:
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -25,17 +24,14 @@ import pytest
 
 from dex_tasks import CallStatus, DexClient
 from tests.conftest import StartWorker
-from tests.helpers import ROOT
+from tests.helpers import ROOT, load_module
 from workers import ledger
 
 EXAMPLE = ROOT / "examples" / "mcp_server_agent.py"
 
 
 def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("mcp_server_agent", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module: ModuleType = load_module(EXAMPLE, "mcp_server_agent")
     return module
 
 
