@@ -81,9 +81,10 @@ def http_server(env: dict[str, str], tmp_path: Path) -> Iterator[str]:
 def test_over_stdio_the_catalog_reads_errors_and_repeats(
     client: DexClient, worker: None, env: dict[str, str], ledger_path: Path
 ) -> None:
-    async def scenario() -> dict[str, Any]:
+    async def scenario(dex: DexClient) -> dict[str, Any]:
         seen: dict[str, Any] = {}
-        async with Client(stdio_client(stdio_params(env, "--session", "s-stdio"))) as mcp:
+        async with Client(stdio_client(stdio_params(env, "--session", "s-stdio",
+                                                  "--call-timeout", "1"))) as mcp:
             tools = {tool.name: tool for tool in (await mcp.list_tools()).tools}
             seen["tools"] = tools
             meta = {"dex/turn_id": "t1", "dex/tool_call_id": "c1"}
@@ -93,9 +94,14 @@ def test_over_stdio_the_catalog_reads_errors_and_repeats(
             seen["broken"] = await mcp.call_tool("broken_report", {"report": "q3"})
             seen["unknown"] = await mcp.call_tool("no_such_tool", {})
             seen["bad"] = await mcp.call_tool("lookup_order", {"order": "1001"})
+            slow = {"dex/turn_id": "t1", "dex/tool_call_id": "slow"}
+            arguments = {"order_id": "1001", "sleep": 2.0}
+            seen["slow"] = await mcp.call_tool("lookup_order", arguments, meta=slow)
+            await asyncio.to_thread(dex.wait, "s-stdio/t1/slow", 30)
+            seen["slow_again"] = await mcp.call_tool("lookup_order", arguments, meta=slow)
         return seen
 
-    seen = asyncio.run(scenario())
+    seen = asyncio.run(scenario(client))
     lookup, refund = seen["tools"]["lookup_order"], seen["tools"]["refund_payment"]
     assert lookup.input_schema["required"] == ["order_id"]
     assert lookup.description == "Look up an order by id."
@@ -122,6 +128,12 @@ def test_over_stdio_the_catalog_reads_errors_and_repeats(
     assert seen["unknown"].is_error and text_of(seen["unknown"]).startswith(TOOL_DID_NOT_RUN)
     assert seen["bad"].is_error and text_of(seen["bad"]).startswith(TOOL_DID_NOT_RUN)
     assert ledger.executions(ledger_path)["s-stdio/t1/c1"] == 1
+
+    # A tool slower than --call-timeout: the client is told it still runs and how to ask
+    # again; asked again with the same ids, it gets the result, and the tool ran once
+    assert seen["slow"].is_error and "is still running after 1s" in text_of(seen["slow"])
+    assert seen["slow_again"].structured_content["order_id"] == "1001"
+    assert ledger.executions(ledger_path)["s-stdio/t1/slow"] == 1
 
 
 def test_over_http_tokens_approvals_progress_rejections_and_retries(

@@ -53,6 +53,7 @@ from dex_tasks import (
     DexError,
     EffectClass,
     ForbiddenSessionError,
+    InvalidArgumentError,
     InvalidCallError,
     InvalidTokenError,
     ToolCallRecord,
@@ -114,7 +115,8 @@ class DexMCPServer:
                              ("call_timeout", call_timeout),
                              ("progress_interval", progress_interval)):
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"{field} must be a positive number of seconds, got {value!r}")
+                raise InvalidArgumentError(
+                    f"{field} must be a positive number of seconds, got {value!r}")
         self.client = client
         self.session_id = session_id
         self.approval_timeout = float(approval_timeout)
