@@ -38,10 +38,11 @@ AWAITING_APPROVAL = "DEX_AWAITING_APPROVAL"  # how dex-tasks mcp says a person h
 
 
 def dex_ids(context: MCPToolMetaContext) -> dict[str, Any]:
-    """The request's ``_meta``: the turn from the run context, the model's call id."""
-    tool_call_id = getattr(context.run_context, "tool_call_id", None)
-    return {"dex/turn_id": context.run_context.context["turn_id"],
-            "dex/tool_call_id": tool_call_id}
+    """The request's ``_meta``: the session and turn from the run context, the model's call
+    id (the SDK hands the resolver the tool's context, which has it)."""
+    run = context.run_context
+    return {"dex/session_id": run.context["session_id"], "dex/turn_id": run.context["turn_id"],
+            "dex/tool_call_id": getattr(run, "tool_call_id", None)}
 
 
 def tool_outputs(call: ModelCall) -> dict[str, str]:
@@ -80,23 +81,30 @@ def dex_mcp_command() -> list[str]:
     return [script]
 
 
-async def run(session_id: str, order_id: str, approval_timeout: float) -> int:
+def dex_mcp_server(approval_timeout: float) -> MCPServerStdio:
+    """``dex-tasks mcp`` over stdio, as the SDK's MCP server, with the worker's settings."""
     command = dex_mcp_command()
-    server = MCPServerStdio(
+    return MCPServerStdio(
         params={"command": command[0],
-                "args": [*command[1:], "mcp", "--session", session_id,
-                         "--approval-timeout", str(approval_timeout)],
+                "args": [*command[1:], "mcp", "--approval-timeout", str(approval_timeout)],
                 "env": dict(os.environ)},
-        tool_meta_resolver=dex_ids, client_session_timeout_seconds=60,
-        cache_tools_list=True,
+        tool_meta_resolver=dex_ids, client_session_timeout_seconds=60, cache_tools_list=True,
     )
-    async with server:
-        agent = Agent(name="support", instructions="Help customers with their orders.",
-                      model=scripted_model(order_id), mcp_servers=[server])
-        result = await Runner.run(agent, f"Please refund order {order_id}.",
-                                  context={"turn_id": "turn-1"})
+
+
+async def run(server: MCPServerStdio, session_id: str, order_id: str) -> int:
+    """One run of the agent on the session's turn ``turn-1``; exit status 0 or WAITING."""
+    agent = Agent(name="support", instructions="Help customers with their orders.",
+                  model=scripted_model(order_id), mcp_servers=[server])
+    result = await Runner.run(agent, f"Please refund order {order_id}.",
+                              context={"session_id": session_id, "turn_id": "turn-1"})
     print(result.final_output)
     return WAITING if AWAITING_APPROVAL in str(result.final_output) else 0
+
+
+async def run_once(session_id: str, order_id: str, approval_timeout: float) -> int:
+    async with dex_mcp_server(approval_timeout) as server:
+        return await run(server, session_id, order_id)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--approval-timeout", type=float, default=2.0)
     args = parser.parse_args(argv)
     set_tracing_disabled(True)  # offline: nothing to export traces to
-    return asyncio.run(run(args.session, args.order, args.approval_timeout))
+    return asyncio.run(run_once(args.session, args.order, args.approval_timeout))
 
 
 if __name__ == "__main__":

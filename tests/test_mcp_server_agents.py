@@ -64,20 +64,27 @@ def test_an_agent_through_dex_tasks_mcp_reads_waits_survives_its_process_and_run
         monkeypatch.setenv(name, value)
     example = load_example()
     example.set_tracing_disabled(True)
-    assert asyncio.run(example.run("sa", "1001", 0.5)) == 0
-    assert 'refund tool said: {"charge_id": "ch_1001", "refunded_cents": 4599}' in (
-        capfd.readouterr().out)
-    assert ledger.executions(ledger_path) == {"sa/turn-1/call_lookup": 1,
-                                              "sa/turn-1/call_refund": 1}
-
-    # A rejection reaches the model with the person's message
-    refund = client.call_tool(session_id="sb", turn_id="turn-1", tool_call_id="call_refund",
-                              tool="refund_payment",
-                              arguments={"charge_id": "ch_1001", "amount_cents": 4599})
-    assert client.resolve_interrupt("sb", refund.interrupt_id, False,
-                                    rejection_message="no refunds on shipped orders")
-    assert asyncio.run(example.run("sb", "1001", 0.5)) == 0
-    out = capfd.readouterr().out
-    assert "refund tool said:" in out and "no refunds on shipped orders" in out
+    asyncio.run(in_process(example, client, capfd))
+    assert ledger.executions(ledger_path) == {
+        "sa/turn-1/call_lookup": 1, "sa/turn-1/call_refund": 1, "sb/turn-1/call_lookup": 1}
     assert client.get_tool_call("sb/turn-1/call_refund").status is CallStatus.REJECTED
-    assert "sb/turn-1/call_refund" not in ledger.executions(ledger_path)
+
+
+async def in_process(example: ModuleType, client: DexClient,
+                     capfd: pytest.CaptureFixture[str]) -> None:
+    """The approved session run again, then a rejected one, over one new dex-tasks mcp."""
+    async with example.dex_mcp_server(0.5) as server:
+        assert await example.run(server, "sa", "1001") == 0
+        assert 'refund tool said: {"charge_id": "ch_1001", "refunded_cents": 4599}' in (
+            capfd.readouterr().out)
+
+        # A rejection reaches the model with the person's message
+        refund = client.call_tool(session_id="sb", turn_id="turn-1",
+                                  tool_call_id="call_refund", tool="refund_payment",
+                                  arguments={"charge_id": "ch_1001", "amount_cents": 4599})
+        assert refund.interrupt_id is not None
+        assert client.resolve_interrupt("sb", refund.interrupt_id, False,
+                                        rejection_message="no refunds on shipped orders")
+        assert await example.run(server, "sb", "1001") == 0
+        out = capfd.readouterr().out
+        assert "refund tool said:" in out and "no refunds on shipped orders" in out
