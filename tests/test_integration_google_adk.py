@@ -12,6 +12,8 @@ tested for:
 * a replayed resume never starts a tool twice; a forged confirmation (``confirmed: true``
   while a person has not decided) approves nothing;
 * a rejection reaches the model with the person's message;
+* an agent process SIGKILLed while its tool runs, resumed by ADK in another process (ADK
+  resumes "at least once"), never runs the tool a second time;
 * keys are injective in ADK's ids.
 """
 
@@ -31,7 +33,7 @@ from google.genai import types
 from dex_tasks import CallStatus, DexClient
 from dex_tasks.integrations.google_adk import dex_ids
 from tests.conftest import StartWorker
-from tests.helpers import ROOT, load_module
+from tests.helpers import ROOT, load_module, wait_until
 from workers import ledger
 
 EXAMPLE = ROOT / "examples" / "google_adk_agent.py"
@@ -152,3 +154,35 @@ async def run_message(example: ModuleType, client: DexClient, sessions: Path, se
     async for _ in runner.run_async(user_id=example.USER, session_id=session_id,
                                     new_message=message):
         pass
+
+
+def test_an_agent_killed_while_its_tool_runs_resumes_without_running_it_again(
+    client: DexClient, start_worker: StartWorker, env: dict[str, str], ledger_path: Path,
+    tmp_path: Path,
+) -> None:
+    start_worker(concurrency=2)
+    sessions = str(tmp_path / "adk.db")
+    command = [sys.executable, "-m", "tests.adk_agent_proc", sessions, "gk"]
+
+    # Given a resumable ADK app whose agent charges a card (a slow single-attempt write)
+    with open(tmp_path / "agent.log", "wb") as log:
+        agent = subprocess.Popen([*command, "start"], cwd=ROOT, env=env, stdout=log,
+                                 stderr=subprocess.STDOUT)
+    try:
+        # When the agent process is SIGKILLed while the charge runs on the worker
+        wait_until(lambda: any(k.endswith("/call_charge")
+                               for k in ledger.executions(ledger_path)), 60,
+                   "the charge to start")
+        agent.kill()
+    finally:
+        agent.wait(10)
+    (key,) = ledger.executions(ledger_path)
+
+    # Then ADK resuming the invocation in a new process re-executes the function call,
+    # which finds its dex call: the model reads the charge, and the card was charged once
+    resumed = subprocess.run([*command, "resume"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=90)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert 'charge said: {"customer_id": "cu_1", "charged_cents": 500' in resumed.stdout
+    assert ledger.executions(ledger_path) == {key: 1}
+    assert client.get_tool_call(key).status is CallStatus.SUCCEEDED

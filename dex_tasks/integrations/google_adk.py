@@ -21,6 +21,9 @@ How it works:
   so a call re-run in a later invocation, as a confirmed call is, keeps its key), and the
   function-call id. Each id is percent-encoded where it holds ``/``, ``%`` or a character a
   key refuses, so two different ids never share a key.
+* ADK's resumption of an invocation (a resumable ``App``, ``run_async(invocation_id=...)``)
+  is at least once: it runs a recorded function call again after the process died. That run
+  has the same key, so it waits for the call already made instead of starting the tool again.
 * A call that needs approval asks for ADK's tool confirmation
   (``tool_context.request_confirmation``): the run ends with an ``adk_request_confirmation``
   function call, as for any ADK tool with ``require_confirmation``, while dex-tasks holds the
