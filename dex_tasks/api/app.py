@@ -335,6 +335,11 @@ def snapshot(
                400: {"description": "A bad cursor: `after` or `Last-Event-ID` not an integer "
                                     "from 0 to 2^63-1 (`error` names which).",
                      "model": ErrorResponse},
+               429: {"description": "Too many streams open: on this server "
+                                    "(DEX_MAX_EVENT_STREAMS) or with this token "
+                                    "(DEX_MAX_EVENT_STREAMS_PER_TOKEN); `error` names which. "
+                                    "See Retry-After.",
+                     "model": ErrorResponse},
                200: {"description": "Server-Sent Events: `id:` the cursor, `event:` the event "
                                     "name, `data:` the event as JSON.",
                      "content": {"text/event-stream": {}}}},
