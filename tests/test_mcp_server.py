@@ -58,11 +58,13 @@ def text_of(result: Any) -> str:
 
 
 @pytest.fixture
-def http_server(env: dict[str, str], tmp_path: Path) -> Iterator[str]:
-    """A ``dex-tasks mcp --http`` on a free port; yields its URL."""
+def http_server(env: dict[str, str], tmp_path: Path, start_worker: StartWorker) -> Iterator[str]:
+    """A ``dex-tasks mcp --http`` on a free port and a worker, started side by side; yields
+    the server's URL once both are ready."""
     port = free_port()
     proc = start_process(["mcp", "--http", "--port", str(port), "--approval-timeout", "1.5",
                           "--page-url", "http://dex.example"], env, tmp_path / "mcp.log")
+    start_worker(concurrency=2, wait=False).wait_ready()
     url = f"http://127.0.0.1:{port}/mcp"
 
     def up() -> bool:
@@ -137,7 +139,7 @@ def test_over_stdio_the_catalog_reads_errors_and_repeats(
 
 
 def test_over_http_tokens_approvals_progress_rejections_and_retries(
-    client: DexClient, worker: None, http_server: str, ledger_path: Path
+    client: DexClient, http_server: str, ledger_path: Path
 ) -> None:
     # Given no token, a forged one, or a view token: refused before anything is read
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
