@@ -44,7 +44,7 @@ from dex_tasks.store.records import (
     SessionMessage,
     ToolCallRecord,
 )
-from dex_tasks.tokens import TokenClaims, issue_token, verify_token
+from dex_tasks.tokens import TokenClaims, issue_token, read_token, verify_token
 
 __all__ = [
     "APPROVAL_DEADLINE_PASSED",
@@ -89,6 +89,7 @@ __all__ = [
     "define_tool",
     "idempotency_key",
     "issue_token",
+    "read_token",
     "report_unknown_outcomes",
     "report_unknown_outcomes_sync",
     "tool",
