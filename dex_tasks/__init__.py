@@ -54,7 +54,7 @@ if TYPE_CHECKING:
         SessionMessage,
         ToolCallRecord,
     )
-    from dex_tasks.tokens import TokenClaims, issue_token, verify_token
+    from dex_tasks.tokens import TokenClaims, issue_token, read_token, verify_token
 _LAZY: dict[str, str] = {
     "AsyncDexClient": "dex_tasks.agent.async_client",
     "ToolCallRequest": "dex_tasks.agent.calls",
@@ -101,6 +101,7 @@ _LAZY: dict[str, str] = {
     "ToolCallRecord": "dex_tasks.store.records",
     "TokenClaims": "dex_tasks.tokens",
     "issue_token": "dex_tasks.tokens",
+    "read_token": "dex_tasks.tokens",
     "verify_token": "dex_tasks.tokens",
 }
 """Each public name and the module that defines it."""
@@ -148,6 +149,7 @@ __all__ = [
     "define_tool",
     "idempotency_key",
     "issue_token",
+    "read_token",
     "report_unknown_outcomes",
     "report_unknown_outcomes_sync",
     "tool",
