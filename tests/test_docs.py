@@ -246,6 +246,8 @@ def test_every_python_block_of_a_page_runs_as_pasted(
     env = settings_env(fast_settings(redis_url, f"sqlite:///{tmp_path / 'dex.db'}"),
                        tmp_path / "ledger.jsonl")
     env["PYTHONPATH"] = f"{code_dir}:{ROOT}"
+    # The reader's environment is activated: its dex-tasks is on PATH.
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     # A file no worker serves must still import (its tools register, its reconcilers attach).
     served = {m for tools in page.worker_tools for m in tools.split(",")}
     for module in set(page.files) - served:
