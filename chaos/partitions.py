@@ -146,13 +146,16 @@ class Lab:
             host.run([*dex_command(), "worker", "--tools", "workers.example_tools", "-c",
                       str(concurrency)], self.env(), self.workdir / f"{host.name}.log")
         for name in names:
-            wait_until(lambda n=name: " ready." in self.log(n), 60, f"worker {name} to be ready",
-                       0.1)
+            self.wait_ready(name)
         return hosts
+
+    def wait_ready(self, name: str) -> None:
+        wait_until(lambda: " ready." in self.log(name), 60, f"worker {name} to be ready", 0.1)
 
     def beat(self) -> Host:
         host = self.net.add_host("beat")
         host.run([*dex_command(), "beat"], self.env(), self.workdir / "beat.log")
+        wait_until(lambda: "beat: Starting" in self.log("beat"), 60, "beat to start", 0.1)
         return host
 
     def log(self, name: str) -> str:

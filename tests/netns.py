@@ -103,7 +103,8 @@ class Forwarder:
                 dst.close()
 
         try:
-            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+            with contextlib.suppress(asyncio.CancelledError):  # the forwarder is stopping
+                await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
         finally:
             for w in (writer, up_writer):
                 w.transport.abort()
