@@ -108,6 +108,16 @@ class DexSettings(BaseSettings):
         default=None,
         description="Tool modules (a.b,c) the worker imports when --tools is not given.",
     )
+    max_event_streams: int = Field(
+        default=1000, ge=1,
+        description="Event streams (GET /sessions/{id}/events) one API process keeps open at "
+        "once; a stream past it gets 429.",
+    )
+    max_event_streams_per_token: int = Field(
+        default=10, ge=1,
+        description="Event streams one token may keep open at once on one API process (a "
+        "person's tabs); a stream past it gets 429.",
+    )
     metrics_token: SecretStr | None = Field(
         default=None,
         description="Bearer token GET /metrics requires (give it to Prometheus); unset, "
