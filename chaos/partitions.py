@@ -369,7 +369,7 @@ def _bound_gap(lab: Lab, result: Result) -> None:
                                f"(bound {limit:g}s)")
 
 
-def redis_cut_then_healed(lab: Lab, *, cut_for: float = 45.0) -> Result:
+def redis_cut_then_healed(lab: Lab, *, cut_for: float = 45.0, after: float = 10.0) -> Result:
     """P2: a worker cut from Redis, then healed: the calls sent meanwhile (and after) must run
     as soon as it is back, none left for the republisher's 300 s window."""
     worker = lab.worker("w1")
@@ -382,7 +382,7 @@ def redis_cut_then_healed(lab: Lab, *, cut_for: float = 45.0) -> Result:
     with lab.load(rate=2.0, sessions=2):
         time.sleep(cut_for)
         heal = worker.heal()
-        time.sleep(10)
+        time.sleep(after)
     lab.settle(lab.timing.bound + 30)
     result = lab.verdict("P2 worker cut from Redis, healed", heal)
     claim_errors = lab.log("w1").count("claim_failed")

@@ -46,7 +46,7 @@ def test_host_lost_inside_a_transaction_blocks_nobody_for_long(partition_db: str
                                                                tmp_path: Path) -> None:
     # The republisher's window is long here: nothing may depend on it.
     timing = Timing(**{**SHORT.__dict__, "republish_after_seconds": 10.0})
-    result = run_scenario("P1", tmp_path, partition_db, timing, load_after=15.0)
+    result = run_scenario("P1", tmp_path, partition_db, timing, load_after=10.0)
     print(result.line())
     assert result.problems == [], result.line()
     assert result.calls > 40 and result.duplicates == 0
@@ -58,10 +58,10 @@ def test_host_lost_inside_a_transaction_blocks_nobody_for_long(partition_db: str
 
 def test_worker_cut_from_redis_serves_at_once_after_the_heal(partition_db: str,
                                                              tmp_path: Path) -> None:
-    result = run_scenario("P2", tmp_path, partition_db, SHORT, cut_for=15.0)
+    result = run_scenario("P2", tmp_path, partition_db, SHORT, cut_for=13.0, after=4.0)
     print(result.line())
     assert result.problems == [], result.line()
-    assert result.duplicates == 0 and result.calls >= 30
+    assert result.duplicates == 0 and result.calls >= 25
     # No call was left for the republisher (its window is 300 s here): each ended within a
     # few seconds of the heal.
     assert result.longest_to_terminal <= 15, result.line()
