@@ -18,6 +18,7 @@ from dex_tasks.errors import (
     InvalidCallError,
     InvalidTokenError,
     OutcomeUnknownError,
+    PrunedCallError,
     SchemaOutOfDateError,
     StoreUnavailableError,
     ToolDefinitionError,
@@ -43,7 +44,7 @@ from dex_tasks.store.records import (
     SessionMessage,
     ToolCallRecord,
 )
-from dex_tasks.tokens import TokenClaims, issue_token, verify_token
+from dex_tasks.tokens import TokenClaims, issue_token, read_token, verify_token
 
 __all__ = [
     "APPROVAL_DEADLINE_PASSED",
@@ -71,6 +72,7 @@ __all__ = [
     "MessageRole",
     "OutcomeUnknownError",
     "PendingInterrupt",
+    "PrunedCallError",
     "SchemaOutOfDateError",
     "SessionMessage",
     "StoreUnavailableError",
@@ -87,6 +89,7 @@ __all__ = [
     "define_tool",
     "idempotency_key",
     "issue_token",
+    "read_token",
     "report_unknown_outcomes",
     "report_unknown_outcomes_sync",
     "tool",
