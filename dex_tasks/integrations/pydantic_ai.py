@@ -8,6 +8,29 @@ The lines a user adds (``pip install "dex-tasks[pydantic-ai]"``)::
     agent = Agent(model, capabilities=[dex], output_type=[str, DeferredToolRequests])
     results = await dex.deferred_results(history)  # on resume: deferred_tool_results=results
 
+With ``session_id=`` each run is a durable turn (the five lines of ``docs/durable-turns.md``)::
+
+    from dex_tasks import DexClient
+    from dex_tasks.integrations.pydantic_ai import DexCapability
+    client = DexClient.from_env()
+    dex = DexCapability(client, session_id="ticket-42")
+    result = await agent.run("Refund order 1001", capabilities=[dex])
+
+**Durable turns** (``session_id=`` given). The run begins the session's turn with its input
+(``client.begin_turn``), or continues the one a killed process left open: running the same
+code again with the same session and input is the restart, with no history saved by hand.
+Every model request of the turn is a step (its position: the responses since the turn's user
+prompt): a journaled step's response is replayed from the store instead of asking the model
+(``wrap_model_request`` returns it without calling the model, as Pydantic AI's Temporal and DBOS
+integrations replay a recorded activity); a new response that calls tools is journaled with its
+calls of catalog tools (``client.record_step``: one transaction) before any call is sent. A
+response without tool calls is the answer: the run's output ends the turn (``end_turn``), and
+the session's user messages that waited for it are delivered; a run that ends on deferred calls
+leaves it open. Keys are ``session/turn/<step>.<the model's call id>``, all taken from the
+journaled response, so a replay gives the same keys even though a real model mints new ids each
+time it is asked (and fake models that reuse ids get distinct keys). A run with another input
+while the session's turn is open raises :class:`TurnInProgressError` (the input is queued).
+
 **Which tools.** The capability wraps the agent's toolset (``get_wrapper_toolset``) and adds the
 tools the workers published to the dex-tasks catalog (``client.list_tools()``: name, docstring,
 JSON schema), so the agent process need not import any tool code; ``names=`` picks some of them.
@@ -19,10 +42,11 @@ run stops at its first step with a :class:`~dex_tasks.ConfigurationError` naming
 is listed in ``local_tools=`` (it then runs in the agent process, as before). Pydantic AI's own
 typed tools (tool search, capability loading), output tools and external tools are left alone.
 
-**The idempotency key** ``session/turn/call`` is built only from what the message history keeps,
-so a run resumed in another process from the saved history finds the same calls:
+**The idempotency key** without ``session_id`` (``session/turn/call``) is built only from what
+the message history keeps, so a run resumed in another process from the saved history finds the
+same calls:
 
-* session: ``session_id=`` if given, else the Pydantic AI conversation id of the response that
+* session: the Pydantic AI conversation id of the response that
   holds the call (``agent.run(..., conversation_id="ticket-42")`` chooses it; Pydantic AI stores
   it on every message and a resumed run inherits it). Not ``run_id`` (what pydantic-ai PR
   #7531 proposed keying on): a resumed run gets a new one.
@@ -608,8 +632,16 @@ async def dex_deferred_results(
         if found is not None:
             response, call_ids = found
             fitted = None if session_id is None else _fit_id(session_id)
+            # With a session, the capability ran a durable turn: the calls are keyed by the
+            # open turn and the step of the response that holds them.
+            turn = None if fitted is None else await aclient.open_turn(fitted)
             for call_id in call_ids:
-                keys[call_id] = idempotency_key(*_call_key(fitted, response, call_id))
+                if fitted is not None and turn is not None:
+                    at = max(i for i, m in enumerate(paused) if m is response)
+                    keys[call_id] = idempotency_key(
+                        fitted, turn.turn_id, _step_call_id(_position(paused, at), call_id))
+                else:
+                    keys[call_id] = idempotency_key(*_call_key(fitted, response, call_id))
 
     results = DeferredToolResults()
     waiting: list[ToolCallRecord] = []
