@@ -36,6 +36,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 import dex_tasks.agent.client as client_module
 from dex_tasks import AsyncDexClient, DexClient, ToolCallRecord
 from dex_tasks.integrations.pydantic_ai import DexCapability
+from workers import ledger
 
 SESSION, TOOL, ARGS, MODEL_LOG, KILL_AT = sys.argv[1:6]
 
@@ -45,13 +46,7 @@ def die() -> None:
 
 
 def log(event: str, step: int) -> None:
-    line = json.dumps({"pid": os.getpid(), "event": event, "step": step}) + "\n"
-    fd = os.open(MODEL_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    ledger.append(MODEL_LOG, {"pid": os.getpid(), "event": event, "step": step})
 
 
 def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:

@@ -115,6 +115,9 @@ def _await_its_end(agent: AgentProcess, kill_at: str, session: str, ledger_path:
         agent.proc.wait(60)
 
 
+# Ten agent processes (each imports Pydantic AI), three chains at once: about 30 s on an idle
+# two-core machine, several times that on a loaded one.
+@pytest.mark.timeout(300)
 def test_an_agent_killed_anywhere_runs_its_tool_once_and_asks_each_decision_once(
     client: DexClient, start_worker: StartWorker, env: dict[str, str], ledger_path: Path,
     tmp_path: Path, sweeping: list[int],
