@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         StoreUnavailableError,
         ToolDefinitionError,
         TransientToolError,
+        TurnConflictError,
         UnknownToolError,
     )
     from dex_tasks.policy import EffectClass, InvalidPolicyError, ToolPolicy
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
         PendingInterrupt,
         SessionMessage,
         ToolCallRecord,
+        Turn,
+        TurnStep,
     )
     from dex_tasks.tokens import TokenClaims, issue_token, read_token, verify_token
 _LAZY: dict[str, str] = {
@@ -77,6 +80,7 @@ _LAZY: dict[str, str] = {
     "StoreUnavailableError": "dex_tasks.errors",
     "ToolDefinitionError": "dex_tasks.errors",
     "TransientToolError": "dex_tasks.errors",
+    "TurnConflictError": "dex_tasks.errors",
     "UnknownToolError": "dex_tasks.errors",
     "EffectClass": "dex_tasks.policy",
     "InvalidPolicyError": "dex_tasks.policy",
@@ -99,6 +103,8 @@ _LAZY: dict[str, str] = {
     "PendingInterrupt": "dex_tasks.store.records",
     "SessionMessage": "dex_tasks.store.records",
     "ToolCallRecord": "dex_tasks.store.records",
+    "Turn": "dex_tasks.store.records",
+    "TurnStep": "dex_tasks.store.records",
     "TokenClaims": "dex_tasks.tokens",
     "issue_token": "dex_tasks.tokens",
     "read_token": "dex_tasks.tokens",
@@ -145,6 +151,9 @@ __all__ = [
     "ToolPolicy",
     "ToolSpec",
     "TransientToolError",
+    "Turn",
+    "TurnConflictError",
+    "TurnStep",
     "UnknownToolError",
     "define_tool",
     "idempotency_key",

@@ -1,5 +1,5 @@
 """The example tools' ledger under its historical name (:mod:`dex_tasks.examples.ledger`)."""
 
-from dex_tasks.examples.ledger import ENV, executions, read, record
+from dex_tasks.examples.ledger import ENV, append, executions, read, record
 
-__all__ = ["ENV", "executions", "read", "record"]
+__all__ = ["ENV", "append", "executions", "read", "record"]

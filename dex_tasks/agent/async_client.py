@@ -94,6 +94,10 @@ class AsyncDexClient:
     why_not_resolved = in_thread(DexClient.why_not_resolved)
     send_user_message = in_thread(DexClient.send_user_message)
     add_assistant_message = in_thread(DexClient.add_assistant_message)
+    begin_turn = in_thread(DexClient.begin_turn)
+    record_step = in_thread(DexClient.record_step)
+    end_turn = in_thread(DexClient.end_turn)
+    open_turn = in_thread(DexClient.open_turn)
     events = in_thread(DexClient.events)
 
     async def wait(self, key: str, timeout: float = 30.0) -> ToolCallRecord:
