@@ -60,7 +60,7 @@ class Page:
     def wants_worker(self) -> bool:
         """A page whose code makes calls, or that tells the reader to start a worker."""
         return any(cmd[:1] == ["worker"] for cmd in self.shell) \
-            or any(re.search(r"\bcall_tools?\(", script) for script in self.scripts)
+            or any(re.search(r"\bcall_tools?\(|DexClient", script) for script in self.scripts)
 
     @property
     def wants_beat(self) -> bool:
