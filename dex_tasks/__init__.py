@@ -3,6 +3,7 @@
 The public names are re-exported here; see ``DESIGN.md`` for the contract they keep.
 """
 
+from dex_tasks.agent.approvals import ApproverPermissionError, InvalidEditError
 from dex_tasks.agent.async_client import AsyncDexClient
 from dex_tasks.agent.calls import ToolCallRequest
 from dex_tasks.agent.client import DexClient, idempotency_key
@@ -26,6 +27,7 @@ from dex_tasks.errors import (
 )
 from dex_tasks.policy import EffectClass, InvalidPolicyError, ToolPolicy
 from dex_tasks.registry import Tool, ToolContext, define_tool, tool
+from dex_tasks.rules import ApprovalRule, RuleError, when
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import (
     OUTCOME_UNKNOWN_TOOL_RESULT,
@@ -44,6 +46,7 @@ from dex_tasks.store.records import (
     ToolCallRecord,
 )
 from dex_tasks.tokens import TokenClaims, issue_token, verify_token
+from dex_tasks.webhooks import WebhookSignatureError, verify_webhook
 
 __all__ = [
     "APPROVAL_DEADLINE_PASSED",
@@ -51,6 +54,8 @@ __all__ = [
     "OUTCOME_UNKNOWN_TOOL_RESULT",
     "TOOL_DID_NOT_RUN",
     "AgentSnapshot",
+    "ApprovalRule",
+    "ApproverPermissionError",
     "AsyncDexClient",
     "CallEvent",
     "CallNotFoundError",
@@ -66,11 +71,13 @@ __all__ = [
     "IllegalTransitionError",
     "InvalidArgumentError",
     "InvalidCallError",
+    "InvalidEditError",
     "InvalidPolicyError",
     "InvalidTokenError",
     "MessageRole",
     "OutcomeUnknownError",
     "PendingInterrupt",
+    "RuleError",
     "SchemaOutOfDateError",
     "SessionMessage",
     "StoreUnavailableError",
@@ -84,6 +91,7 @@ __all__ = [
     "ToolSpec",
     "TransientToolError",
     "UnknownToolError",
+    "WebhookSignatureError",
     "define_tool",
     "idempotency_key",
     "issue_token",
@@ -91,4 +99,6 @@ __all__ = [
     "report_unknown_outcomes_sync",
     "tool",
     "verify_token",
+    "verify_webhook",
+    "when",
 ]

@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import typer
 from rich.console import Console
@@ -326,10 +326,10 @@ def token(
     approver: str | None = typer.Option(
         None, "--approver", help="The name recorded with each decision made with the token."
     ),
-    grant: list[str] | None = typer.Option(
-        None, "--grant",
+    grant: Annotated[list[str] | None, typer.Option(
+        "--grant",
         help="A named permission the token also carries (a policy's approver_permission, "
-             "e.g. refunds.approve); repeat for several."),
+             "e.g. refunds.approve); repeat for several.")] = None,
 ) -> None:
     """Print a token, signed with DEX_SECRET_KEY, for the HTTP API and the session page.
 
@@ -347,7 +347,8 @@ def token(
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     try:
-        typer.echo(issue_token(secret, session_id, ttl, approver, permissions=(permission, *(grant or ())),
+        typer.echo(issue_token(secret, session_id, ttl, approver,
+                               permissions=(permission, *(grant or ())),
                                all_sessions=all_sessions))
     except DexError as err:
         raise typer.BadParameter(str(err)) from None
@@ -447,9 +448,9 @@ def approvals_approve(
         None, "--arguments",
         help="Approve with these arguments instead (a JSON object, checked against the "
              "tool's schema); the call records both versions."),
-    permission: list[str] | None = typer.Option(
-        None, "--permission",
-        help="A permission the approver holds (for a policy with approver_permission)."),
+    permission: Annotated[list[str] | None, typer.Option(
+        "--permission",
+        help="A permission the approver holds (for a policy with approver_permission).")] = None,
 ) -> None:
     """Approve a waiting call: it runs. Exit status 1 if this did not decide it (2 if the
     arguments or the permission were refused)."""
