@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -123,16 +122,19 @@ def _workers(start_worker: StartWorker, env: dict[str, str]) -> None:
     start_worker(tools=TOOLS, extra_env=env)
 
 
-def test_a_rule_holds_only_the_calls_it_matches_and_the_snapshot_says_why(
+def test_rules_hold_only_matching_calls_and_edits_run_the_edited_arguments(
     start_worker: StartWorker, db_env: dict[str, str], db_client: DexClient, ledger_path: Any,
+    redis_url: str, database_url: str,
 ) -> None:
     # Given workers that published issue_refund (rule: amount_cents > 10000) and annotate
     _workers(start_worker, db_env)
-    # When an agent process that imports no tool code makes three calls
-    small, large, odd = _agent(db_env, "s-rule", [
+    # When an agent process that imports no tool code makes these calls
+    small, large, odd, by_http, by_cli = _agent(db_env, "s-rule", [
         ("issue_refund", {"charge_id": "ch_1", "amount_cents": 500}),
-        ("issue_refund", {"charge_id": "ch_2", "amount_cents": 20_000}),
+        ("issue_refund", {"charge_id": "ch_9", "amount_cents": 50_000}),
         ("annotate", {"note": "abc"}),
+        ("issue_refund", {"charge_id": "ch_h", "amount_cents": 30_000}),
+        ("issue_refund", {"charge_id": "ch_c", "amount_cents": 30_000}),
     ])
     # Then the small refund runs without a person; the snapshot keeps the rule and its reason
     assert small["requires_approval"] is False
@@ -142,104 +144,97 @@ def test_a_rule_holds_only_the_calls_it_matches_and_the_snapshot_says_why(
     assert db_client.wait(small["key"], 20).status is CallStatus.SUCCEEDED
     # And the large one waits, saying which comparison held it
     assert large["status"] == "awaiting_approval" and large["requires_approval"] is True
-    assert large["approval_rule"]["reason"] == "amount_cents=20000 > 10000"
+    assert large["approval_rule"]["reason"] == "amount_cents=50000 > 10000"
     # And a rule that cannot be evaluated makes its call wait too (fail closed), saying why
     assert odd["status"] == "awaiting_approval"
     assert odd["approval_rule"]["required"] is True
     assert "cannot compare note" in odd["approval_rule"]["error"]
     pending = {p.key for p in db_client.get_agent_snapshot("s-rule").pending_interrupts}
-    assert pending == {large["key"], odd["key"]}
-    assert [e["tool"] for e in ledger.read(ledger_path)] == ["issue_refund"]
+    assert pending == {large["key"], odd["key"], by_http["key"], by_cli["key"]}
 
-
-def test_approving_with_edited_arguments_runs_them_and_tells_the_model(
-    start_worker: StartWorker, db_env: dict[str, str], db_client: DexClient, ledger_path: Any,
-) -> None:
-    _workers(start_worker, db_env)
-    (call,) = _agent(db_env, "s-edit", [("issue_refund",
-                                         {"charge_id": "ch_9", "amount_cents": 50_000})])
-    interrupt = call["interrupt_id"]
+    # -- edit on approval, in Python --
+    interrupt = large["interrupt_id"]
     # A wrong edit is refused naming the field, and changes nothing
     with pytest.raises(InvalidEditError, match="amount_cents"):
-        db_client.resolve_interrupt("s-edit", interrupt, True, approver="alice",
+        db_client.resolve_interrupt("s-rule", interrupt, True, approver="alice",
                                     arguments={"charge_id": "ch_9", "amount_cents": "lots"})
     with pytest.raises(InvalidEditError, match="only be given when approving"):
-        db_client.resolve_interrupt("s-edit", interrupt, False, arguments={"x": 1})
-    assert db_client.get_tool_call(call["key"]).status is CallStatus.AWAITING_APPROVAL
+        db_client.resolve_interrupt("s-rule", interrupt, False, arguments={"x": 1})
+    assert db_client.get_tool_call(large["key"]).status is CallStatus.AWAITING_APPROVAL
     # When a person approves with a smaller amount
-    assert db_client.resolve_interrupt("s-edit", interrupt, True, approver="alice",
+    assert db_client.resolve_interrupt("s-rule", interrupt, True, approver="alice",
                                        arguments={"charge_id": "ch_9", "amount_cents": 9_000})
-    record = db_client.wait(call["key"], 20)
+    record = db_client.wait(large["key"], 20)
     # Then the tool ran once, with the edited arguments, under the same key
     assert record.status is CallStatus.SUCCEEDED
     assert record.result == {"charge_id": "ch_9", "refunded_cents": 9_000}
-    assert [e["key"] for e in ledger.read(ledger_path)] == [call["key"]]
     # And the record keeps both versions; the model's text says what changed
     assert record.arguments == {"charge_id": "ch_9", "amount_cents": 9_000}
     assert record.original_arguments == {"charge_id": "ch_9", "amount_cents": 50_000}
     assert record.arguments_edit == ("the arguments were edited before approval: "
                                      "amount_cents 50000 -> 9000")
     # And so does the audit: the approval's event and the decision
-    queued = [e for e in db_client.events("s-edit") if e.event == "tool_call_queued"]
+    queued = [e for e in db_client.events("s-rule")
+              if e.event == "tool_call_queued" and e.key == large["key"]]
     assert queued[0].detail is not None
     assert queued[0].detail["original_arguments"]["amount_cents"] == 50_000
     assert queued[0].detail["arguments"]["amount_cents"] == 9_000
-    decided = db_client.get_agent_snapshot("s-edit").decided[0]
+    decided = db_client.get_agent_snapshot("s-rule").decided[0]
     assert decided.original_arguments == {"charge_id": "ch_9", "amount_cents": 50_000}
     # And the agent repeating its request (the model's arguments) gets the same record
-    (again,) = _agent(db_env, "s-edit", [("issue_refund",
-                                          {"charge_id": "ch_9", "amount_cents": 50_000})])
-    assert again["key"] == call["key"] and again["status"] == "succeeded"
+    again = db_client.call_tool(session_id="s-rule", turn_id="t1", tool_call_id="c1",
+                                tool="issue_refund",
+                                arguments={"charge_id": "ch_9", "amount_cents": 50_000})
+    assert again.key == large["key"] and again.status is CallStatus.SUCCEEDED
 
-
-def test_the_http_body_and_cli_take_edited_arguments(
-    start_worker: StartWorker, db_env: dict[str, str], redis_url: str, database_url: str,
-    db_client: DexClient,
-) -> None:
-    _workers(start_worker, db_env)
-    settings = fast_settings(redis_url, database_url)
-    first, second = _agent(db_env, "s-http", [
-        ("issue_refund", {"charge_id": "ch_1", "amount_cents": 30_000}),
-        ("issue_refund", {"charge_id": "ch_2", "amount_cents": 30_000}),
-    ])
-    token = issue_token("test-secret-key", "s-http", approver="bob")
-    with TestClient(create_api(settings)) as http:
+    # -- over HTTP: the body's "arguments" (400 naming the field when wrong) --
+    token = issue_token("test-secret-key", "s-rule", approver="bob")
+    with TestClient(create_api(fast_settings(redis_url, database_url))) as http:
         auth = {"Authorization": f"Bearer {token}"}
         bad = http.post("/interrupts/resolve", headers=auth, json={
-            "interrupt_id": first["interrupt_id"], "approved": True,
-            "arguments": {"charge_id": "ch_1", "amount_cents": -1.5}})
+            "interrupt_id": by_http["interrupt_id"], "approved": True,
+            "arguments": {"charge_id": "ch_h", "amount_cents": -1.5}})
         assert bad.status_code == 400 and "amount_cents" in bad.json()["error"]
         assert http.post("/interrupts/resolve", headers=auth, json={
-            "interrupt_id": first["interrupt_id"], "approved": True,
+            "interrupt_id": by_http["interrupt_id"], "approved": True,
             "arguments": ["not", "an", "object"]}).status_code == 400
         ok = http.post("/interrupts/resolve", headers=auth, json={
-            "interrupt_id": first["interrupt_id"], "approved": True,
-            "arguments": {"charge_id": "ch_1", "amount_cents": 100}})
+            "interrupt_id": by_http["interrupt_id"], "approved": True,
+            "arguments": {"charge_id": "ch_h", "amount_cents": 100}})
         assert ok.json() == {"accepted": True}
-    assert db_client.wait(first["key"], 20).result == {"charge_id": "ch_1",
-                                                      "refunded_cents": 100}
+    assert db_client.wait(by_http["key"], 20).result == {"charge_id": "ch_h",
+                                                        "refunded_cents": 100}
+    # -- and from the command line --
     cli = subprocess.run(
-        [sys.executable, "-m", "dex_tasks.ops.cli", "approvals", "approve", "s-http",
-         second["interrupt_id"], "--arguments", '{"charge_id": "ch_2", "amount_cents": 7}'],
+        [sys.executable, "-m", "dex_tasks.ops.cli", "approvals", "approve", "s-rule",
+         by_cli["interrupt_id"], "--arguments", '{"charge_id": "ch_c", "amount_cents": 7}'],
         env=db_env, capture_output=True, text=True, timeout=60)
     assert cli.returncode == 0, cli.stderr
     assert "amount_cents 30000 -> 7" in cli.stdout
-    assert db_client.wait(second["key"], 20).original_arguments == {"charge_id": "ch_2",
+    assert db_client.wait(by_cli["key"], 20).original_arguments == {"charge_id": "ch_c",
                                                                    "amount_cents": 30_000}
+    # Each approved call ran exactly once
+    assert sorted(e["key"] for e in ledger.read(ledger_path)) == sorted(
+        [small["key"], large["key"], by_http["key"], by_cli["key"]])
 
 
-def test_several_approvers_with_the_permission_decide_and_a_rejection_ends_it(
+def _wires(client: DexClient, session: str, n: int) -> list[dict[str, Any]]:
+    return [client.call_tool(session_id=session, turn_id="t1", tool_call_id=f"c{i}",
+                             tool="wire_transfer",
+                             arguments={"account": f"A{i}", "amount_cents": i + 1}
+                             ).model_dump(mode="json") for i in range(n)]
+
+
+def test_several_approvers_with_the_permission_decide_and_races_keep_one_outcome(
     start_worker: StartWorker, db_env: dict[str, str], redis_url: str, database_url: str,
     db_client: DexClient, ledger_path: Any,
 ) -> None:
+    # Given a worker that published wire_transfer (two approvals holding payments.approve)
     _workers(start_worker, db_env)
-    wire, other = _agent(db_env, "s-two", [
-        ("wire_transfer", {"account": "DE89", "amount_cents": 1_000_000}),
-        ("wire_transfer", {"account": "FR76", "amount_cents": 5}),
-    ])
+    wire, other = _wires(db_client, "s-two", 2)
     perm = ["payments.approve"]
     # Without the permission: refused, nothing recorded
-    with pytest.raises(ApproverPermissionError, match="payments.approve"):
+    with pytest.raises(ApproverPermissionError, match=r"payments\.approve"):
         db_client.resolve_interrupt("s-two", wire["interrupt_id"], True, approver="mallory")
     with pytest.raises(InvalidArgumentError, match="approver is required"):
         db_client.resolve_interrupt("s-two", wire["interrupt_id"], True, permissions=perm)
@@ -277,22 +272,16 @@ def test_several_approvers_with_the_permission_decide_and_a_rejection_ends_it(
     assert db_client.get_tool_call(other["key"]).status is CallStatus.REJECTED
     assert [e["key"] for e in ledger.read(ledger_path)] == [wire["key"]]
 
-
-def test_concurrent_deciders_keep_one_outcome(
-    db_env: dict[str, str], db_client: DexClient, start_worker: StartWorker,
-) -> None:
-    # Given a worker that published wire_transfer (two approvals) and five calls of it
-    _workers(start_worker, db_env)
-    calls = _agent(db_env, "s-race", [("wire_transfer", {"account": f"A{i}",
-                                                          "amount_cents": i})
-                                      for i in range(5)])
+    # -- races: three approvers and one rejecter decide each call at the same moment --
+    calls = _wires(db_client, "s-race", 4)
     perm = ["payments.approve"]
     for call in calls:
         # When three approvers and one rejecter decide at the same moment
         go = threading.Barrier(4)
         results: dict[str, bool] = {}
 
-        def decide(who: str, approve: bool, interrupt: str = call["interrupt_id"]) -> None:
+        def decide(who: str, approve: bool, interrupt: str = call["interrupt_id"],
+                   go: threading.Barrier = go, results: dict[str, bool] = results) -> None:
             go.wait()
             results[who] = db_client.resolve_interrupt("s-race", interrupt, approve,
                                                        approver=who, permissions=perm)
