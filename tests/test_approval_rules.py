@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
+from typer.testing import CliRunner
 
 from dex_tasks import (
     ApproverPermissionError,
@@ -28,6 +29,7 @@ from dex_tasks import (
     when,
 )
 from dex_tasks.api import create_api
+from dex_tasks.ops.cli import app as cli_app
 from dex_tasks.rules import ApprovalRule, all_of, any_of, not_
 from dex_tasks.store import APPROVALS, INTERRUPTS
 from dex_tasks.tokens import issue_token
@@ -205,11 +207,10 @@ def test_rules_hold_only_matching_calls_and_edits_run_the_edited_arguments(
     assert db_client.wait(by_http["key"], 20).result == {"charge_id": "ch_h",
                                                         "refunded_cents": 100}
     # -- and from the command line --
-    cli = subprocess.run(
-        [sys.executable, "-m", "dex_tasks.ops.cli", "approvals", "approve", "s-rule",
-         by_cli["interrupt_id"], "--arguments", '{"charge_id": "ch_c", "amount_cents": 7}'],
-        env=db_env, capture_output=True, text=True, timeout=60)
-    assert cli.returncode == 0, cli.stderr
+    cli = CliRunner().invoke(cli_app, [
+        "approvals", "approve", "s-rule", by_cli["interrupt_id"],
+        "--arguments", '{"charge_id": "ch_c", "amount_cents": 7}'], env=db_env)
+    assert cli.exit_code == 0, cli.output
     assert "amount_cents 30000 -> 7" in cli.stdout
     assert db_client.wait(by_cli["key"], 20).original_arguments == {"charge_id": "ch_c",
                                                                    "amount_cents": 30_000}

@@ -483,8 +483,11 @@ def webhooks_list(
     from dex_tasks.store import webhooks
 
     store = Store(DexSettings().database_url)
-    store.create_all()
-    rows = webhooks.list_deliveries(store, status=status, event_id=event_id, limit=limit)
+    try:
+        store.create_all()
+        rows = webhooks.list_deliveries(store, status=status, event_id=event_id, limit=limit)
+    finally:
+        store.close()
     if as_json:
         console.print_json(json.dumps([{k: v for k, v in r.items() if k != "payload"}
                                        for r in rows]))
