@@ -98,14 +98,23 @@ def _lookup(arguments: Mapping[str, Any], path: str) -> Any:
     return value
 
 
+def _show(value: Any) -> str:
+    # Numbers print as JSON does; anything else through json.dumps (a few µs).
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return repr(value)
+    return json.dumps(value, sort_keys=True)
+
+
 def _evaluate(node: Mapping[str, Any], arguments: Mapping[str, Any]) -> tuple[bool, str]:
     """Whether ``node`` holds on ``arguments``, and the reason, in words."""
     if "all" in node:
+        reasons = []
         for item in node["all"]:
             held, why = _evaluate(item, arguments)
             if not held:
                 return False, why
-        return True, " and ".join(_evaluate(i, arguments)[1] for i in node["all"])
+            reasons.append(why)
+        return True, " and ".join(reasons)
     if "any" in node:
         reasons = []
         for item in node["any"]:
@@ -125,7 +134,7 @@ def _evaluate(node: Mapping[str, Any], arguments: Mapping[str, Any]) -> tuple[bo
     expected = node["value"]
     if actual is _MISSING:
         return False, f"{field} is not present"
-    shown = f"{field}={json.dumps(actual)} {op} {json.dumps(expected)}"
+    shown = f"{field}={_show(actual)} {op} {_show(expected)}"
     if op == "==":
         held = actual == expected
     elif op == "!=":
@@ -143,8 +152,8 @@ def _evaluate(node: Mapping[str, Any], arguments: Mapping[str, Any]) -> tuple[bo
         both_numbers = _number(actual) and _number(expected)
         both_strings = isinstance(actual, str) and isinstance(expected, str)
         if not (both_numbers or both_strings):
-            raise RuleError(f"cannot compare {field}={json.dumps(actual)} "
-                            f"({type(actual).__name__}) {op} {json.dumps(expected)}")
+            raise RuleError(f"cannot compare {field}={_show(actual)} "
+                            f"({type(actual).__name__}) {op} {_show(expected)}")
         held = _ORDER[op](actual, expected)
     return held, shown if held else f"not {shown}"
 
@@ -166,17 +175,14 @@ class ApprovalRule:
         _check(spec)
         return cls(json.dumps(spec, sort_keys=True, separators=(",", ":")))
 
-    @property
+    @functools.cached_property
     def spec(self) -> dict[str, Any]:
-        """The rule as JSON (a fresh dict)."""
+        """The rule as JSON (a dict; shared, do not change it).
+
+        Parsed once per rule object (the client's catalog cache keeps the policy), so a
+        check per call costs the comparisons alone."""
         result: dict[str, Any] = json.loads(self.text)
         return result
-
-    @functools.cached_property
-    def _parsed(self) -> dict[str, Any]:
-        # Parsed once per rule object (the catalog cache keeps the policy): a check per call
-        # then costs the comparison alone.
-        return self.spec
 
     def evaluate(self, arguments: Mapping[str, Any]) -> tuple[bool, str]:
         """Whether the call needs approval, and why (the comparison that decided, in words).
@@ -184,7 +190,7 @@ class ApprovalRule:
         Raises :class:`RuleError` when the rule cannot be evaluated on these arguments.
         """
         try:
-            return _evaluate(self._parsed, arguments)
+            return _evaluate(self.spec, arguments)
         except RuleError:
             raise
         except Exception as err:  # noqa: BLE001 - any failure of a rule fails closed
@@ -202,7 +208,7 @@ def when(field: str, op: str, value: Any = None) -> ApprovalRule:
 
 def all_of(*rules: ApprovalRule | Mapping[str, Any]) -> ApprovalRule:
     """A rule that holds when every one of ``rules`` does."""
-    return ApprovalRule.of({"all": [ApprovalRule.of(r).spec for r in rules]})
+    return ApprovalRule.of({"all": [dict(ApprovalRule.of(r).spec) for r in rules]})
 
 
 def any_of(*rules: ApprovalRule | Mapping[str, Any]) -> ApprovalRule:

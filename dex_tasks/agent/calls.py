@@ -7,6 +7,7 @@ here writes or sends anything.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -137,7 +138,9 @@ def new_call(
                            now=time.time() if now is None else now)
     row["requires_approval"] = decision.required
     snapshot = decision.snapshot()
-    row["approval_rule"] = canonical_json(snapshot) if snapshot is not None else None
+    # Plain json.dumps: the snapshot is the rule's own checked JSON and a text of ours.
+    row["approval_rule"] = (json.dumps(snapshot, sort_keys=True, separators=(",", ":"))
+                            if snapshot is not None else None)
     return NewCall(key, tool, args_json, row, interrupt, invalid)
 
 

@@ -19,6 +19,8 @@ never delays or fails one.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from typing import Any
 
 import httpx
@@ -83,13 +85,29 @@ def _post(settings: DexSettings, row: dict[str, Any]) -> tuple[int | None, str |
                EVENT_ID_HEADER: row["event_id"], EVENT_HEADER: row["event"],
                "User-Agent": "dex-tasks-webhooks"}
     try:
-        response = httpx.post(row["url"], content=body, headers=headers,
-                              timeout=settings.webhook_timeout_seconds)
+        response = _http(settings.webhook_timeout_seconds).post(row["url"], content=body,
+                                                                 headers=headers)
     except httpx.HTTPError as err:
         return None, f"{type(err).__name__}: {err}"[:500]
     if 200 <= response.status_code < 300:
         return response.status_code, None
     return response.status_code, f"HTTP {response.status_code}: {response.text[:200]}"
+
+
+_clients: dict[tuple[int, float], httpx.Client] = {}
+_clients_lock = threading.Lock()
+
+
+def _http(timeout: float) -> httpx.Client:
+    """This process's HTTP client (one per pid: a forked child makes its own). Building one
+    loads the TLS trust store, which cost ~100 ms per delivery when made per request; a shared
+    client also keeps connections to a receiver alive between deliveries."""
+    key = (os.getpid(), timeout)
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            client = _clients[key] = httpx.Client(timeout=timeout)
+        return client
 
 
 def _count(rt: Any, outcome: str) -> None:
