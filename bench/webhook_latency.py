@@ -1,10 +1,11 @@
-"""Webhook delivery latency: ``python -m bench.webhook_latency [--calls 200] [--store sqlite]``.
+"""Webhook delivery latency: ``python -m bench.webhook_latency [--calls 100] [--store sqlite]``.
 
 From the commit of the event (a call that starts waiting for approval, ``call_tool``) to the
 receiver reading the signed body, for each event: a private ``redis-server``, a fresh store,
 one ``dex-tasks worker -c 2`` (which delivers), a local HTTP receiver that verifies every
-signature, and ``--calls`` calls of ``refund_payment`` made one after the other by an agent in
-this process, each after the previous one's webhook arrived. Prints p50/p99/max in milliseconds; asserts nothing about time.
+signature, and ``--calls`` calls of ``refund_payment`` made by an agent in this process, each
+after the previous one's webhook arrived. Prints p50/p99/max in milliseconds; asserts nothing
+about time.
 """
 
 from __future__ import annotations
