@@ -15,18 +15,18 @@ from collections.abc import Callable
 from typing import Any
 
 from dex_tasks.agent.calls import checked_arguments, new_call
-from dex_tasks.policy import ToolPolicy
+from dex_tasks.policy import EffectClass, ToolPolicy
 from dex_tasks.rules import all_of, any_of, when
 from dex_tasks.store.catalog import ToolInfo
 
 ARGS = {"charge_id": "ch_1", "amount_cents": 25_000, "customer": {"tier": "new"}}
 SCHEMA = {"type": "object", "properties": {"charge_id": {"type": "string"},
                                            "amount_cents": {"type": "integer"}}}
+WRITE = EffectClass.NON_IDEMPOTENT_WRITE
 POLICIES = {
-    "flag (no rule)": ToolPolicy(effect="non_idempotent_write", requires_approval=True),
-    "one comparison": ToolPolicy(effect="non_idempotent_write",
-                                 requires_approval=when("amount_cents", ">", 10_000)),
-    "four comparisons": ToolPolicy(effect="non_idempotent_write", requires_approval=any_of(
+    "flag (no rule)": ToolPolicy(effect=WRITE, requires_approval=True),
+    "one comparison": ToolPolicy(effect=WRITE, requires_approval=when("amount_cents", ">", 10_000)),
+    "four comparisons": ToolPolicy(effect=WRITE, requires_approval=any_of(
         all_of(when("amount_cents", ">", 10_000), when("customer.tier", "in", ["new"])),
         when("charge_id", "contains", "test"), when("note", "exists"))),
 }
