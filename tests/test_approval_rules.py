@@ -309,3 +309,20 @@ def test_several_approvers_with_the_permission_decide_and_races_keep_one_outcome
             assert row.decision == "rejected" and row.decided_by == "rex" and results["rex"]
             assert len(votes) < 2 and status is CallStatus.REJECTED
     wait_until(lambda: all(db_client.get_tool_call(c["key"]).terminal for c in calls), 30)
+
+
+def test_the_langchain_tool_message_says_the_arguments_were_edited() -> None:
+    from datetime import UTC, datetime
+
+    from dex_tasks import ToolCallRecord
+    from dex_tasks.integrations.langchain import _tool_message
+
+    record = ToolCallRecord(
+        key="s/t/c", session_id="s", turn_id="t", tool_call_id="c", tool="issue_refund",
+        arguments={"amount_cents": 9_000}, original_arguments={"amount_cents": 50_000},
+        effect="non_idempotent_write", requires_approval=True, status="succeeded",
+        result={"refunded_cents": 9_000}, created_at=datetime.now(UTC))
+    message = _tool_message(record, {"id": "c", "name": "issue_refund", "args": {}})
+    assert message.content.startswith(
+        "(the arguments were edited before approval: amount_cents 50000 -> 9000)\n")
+    assert '"refunded_cents": 9000' in message.content

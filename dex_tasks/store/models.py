@@ -171,7 +171,7 @@ class WebhookRow(SQLModel, table=True):
     event_id: str = Field(index=True, max_length=64)
     event: str = Field(max_length=64)
     session_id: str = Field(max_length=SESSION_ID_MAX)
-    key: str = Field(max_length=KEY_MAX)
+    key: str = Field(index=True, max_length=KEY_MAX)  # prune deletes a call's deliveries
     url: str = Field(sa_column=Column(Text, nullable=False))
     payload: str = Field(sa_column=Column(JsonText, nullable=False))
     status: str = Field(max_length=16)

@@ -41,7 +41,7 @@ from sqlalchemy.engine import Connection
 
 from dex_tasks.errors import InvalidArgumentError
 from dex_tasks.states import TERMINAL, CallStatus, MessageRole
-from dex_tasks.store import CALLS, EVENTS, INTERRUPTS, MESSAGES, Store
+from dex_tasks.store import APPROVALS, CALLS, EVENTS, INTERRUPTS, MESSAGES, WEBHOOKS, Store
 from dex_tasks.store.transcript import QUEUED, named_keys, names_key
 
 log = logging.getLogger("dex_tasks.store.prune")
@@ -166,6 +166,11 @@ def _delete_calls(conn: Connection, keys: Sequence[str], result: PruneResult) ->
         return
     result.calls += len(deleted)
     result.events += _count(conn.execute(delete(EVENTS).where(EVENTS.c.key.in_(deleted))))
+    # An interrupt's approvals (several approvers) and the calls' webhook deliveries go with
+    # them (counted with the interrupts and events they belong to: nothing new to report).
+    conn.execute(delete(APPROVALS).where(APPROVALS.c.interrupt_id.in_(
+        select(INTERRUPTS.c.interrupt_id).where(INTERRUPTS.c.key.in_(deleted)))))
+    conn.execute(delete(WEBHOOKS).where(WEBHOOKS.c.key.in_(deleted)))
     result.interrupts += _count(conn.execute(
         delete(INTERRUPTS).where(INTERRUPTS.c.key.in_(deleted))))
     result.tool_messages += _count(conn.execute(

@@ -71,12 +71,14 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("delivery_id"),
     )
     op.create_index("ix_dex_webhooks_event_id", "dex_webhooks", ["event_id"])
+    op.create_index("ix_dex_webhooks_key", "dex_webhooks", ["key"])
     op.create_index("ix_dex_webhooks_status_published", "dex_webhooks",
                     ["status", "published_at"])
 
 
 def downgrade() -> None:
     op.drop_index("ix_dex_webhooks_status_published", table_name="dex_webhooks")
+    op.drop_index("ix_dex_webhooks_key", table_name="dex_webhooks")
     op.drop_index("ix_dex_webhooks_event_id", table_name="dex_webhooks")
     op.drop_table("dex_webhooks")
     op.drop_table("dex_approvals")
