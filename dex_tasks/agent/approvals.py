@@ -178,7 +178,8 @@ def resolve_interrupt(
                 raise ApproverPermissionError(
                     f"deciding this call needs the {row.approver_permission!r} permission, "
                     f"which {approver or 'this approver'}'s token does not hold")
-            approvers = _approvers(conn, interrupt_id)
+            # Only a policy of several approvals has approval rows to read.
+            approvers = _approvers(conn, interrupt_id) if required > 1 else []
             if approved and required > 1:
                 if approver is None:
                     raise InvalidArgumentError(
