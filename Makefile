@@ -8,7 +8,7 @@ export DEX_TEST_POSTGRES_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/tes
 install:
 	python3 -m venv .venv
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e ".[dev,postgres,pydantic-ai,openai-agents,langchain,mcp]"
+	$(PY) -m pip install -e ".[dev,postgres,pydantic-ai,openai-agents,langchain,mcp,google-adk]"
 
 ## make test: lint, then every test (real Redis, real workers, SQLite and PostgreSQL)
 test: lint
@@ -42,5 +42,10 @@ bench:
 ## make chaos: the long chaos run (thousands of mixed calls, SIGKILLed workers, a Redis crash);
 ## prints its figures and fails on any broken guarantee. CHAOS_ARGS="--database-url ..." etc.
 CHAOS_ARGS ?=
+## Then the network partitions of issue 19 (chaos/partitions.py; root, iproute2, iptables,
+## PostgreSQL): hosts in network namespaces, silent drops, production timings. PARTITION_ARGS
+## e.g. "--scenario P1".
+PARTITION_ARGS ?=
 chaos:
 	$(PY) -m chaos --calls 3000 --workers 3 --duration 120 $(CHAOS_ARGS)
+	$(PY) -m chaos.partitions $(PARTITION_ARGS)

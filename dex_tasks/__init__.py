@@ -19,6 +19,7 @@ from dex_tasks.errors import (
     InvalidCallError,
     InvalidTokenError,
     OutcomeUnknownError,
+    PrunedCallError,
     SchemaOutOfDateError,
     StoreUnavailableError,
     ToolDefinitionError,
@@ -45,7 +46,7 @@ from dex_tasks.store.records import (
     SessionMessage,
     ToolCallRecord,
 )
-from dex_tasks.tokens import TokenClaims, issue_token, verify_token
+from dex_tasks.tokens import TokenClaims, issue_token, read_token, verify_token
 from dex_tasks.webhooks import WebhookSignatureError, verify_webhook
 
 __all__ = [
@@ -77,6 +78,7 @@ __all__ = [
     "MessageRole",
     "OutcomeUnknownError",
     "PendingInterrupt",
+    "PrunedCallError",
     "RuleError",
     "SchemaOutOfDateError",
     "SessionMessage",
@@ -95,6 +97,7 @@ __all__ = [
     "define_tool",
     "idempotency_key",
     "issue_token",
+    "read_token",
     "report_unknown_outcomes",
     "report_unknown_outcomes_sync",
     "tool",

@@ -91,11 +91,19 @@ def reap_expired_leases(rt: Runtime, now: float | None = None, *,
     #
     # The price: a dead worker's calls are reaped ``settle`` seconds later, and the probe
     # costs one write transaction, both only when some lease has run out.
+    #
+    # 4. A forward step of the store's clock (an NTP correction, a VM resumed) makes every
+    #    lease look expired at once. The reaper reads the store's clock on each run and
+    #    compares its advance with that of its own monotonic clock (``_ClockWatch``); when the
+    #    store's ran ahead, or this process has no earlier reading to compare with, it waits a
+    #    whole renewal interval instead of ``settle``: every live worker renews in that time,
+    #    and rule 1 turns the reaps of their calls away.
+    suspect = now is None and _clock_watch.stepped(rt)
     expired = rt.store.expired_leases(now)
     if not expired:
         return 0
     rt.store.writable_at()
-    time.sleep(settle)
+    time.sleep(max(settle, _renewal_grace(rt)) if suspect else settle)
     stamp = time.time()
     moves: dict[str, tuple[ToolCallRow, Move]] = {}
     for call in expired:
@@ -113,6 +121,45 @@ def reap_expired_leases(rt: Runtime, now: float | None = None, *,
         with _one_row("reap_expired_leases", key):
             after_lost_attempt(rt, call, move, republish=True)
     return len(moved)
+
+
+def _renewal_grace(rt: Runtime) -> float:
+    """How long every live worker takes at most to renew its leases: its renewal interval
+    (``hooks.LeaseRenewer``) and the reaper's settle time."""
+    return max(0.2, rt.settings.lease_seconds / 3) + LEASE_SETTLE_SECONDS
+
+
+# How far the store's clock may run ahead of the reaper's monotonic clock between two of its
+# runs before the reaper takes it for a step (latency and drift stay far below this).
+CLOCK_STEP_TOLERANCE = 1.0
+
+
+class _ClockWatch:
+    """The store's clock as the reaper last read it, against this process's monotonic clock,
+    per store."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.seen: dict[str, tuple[float, float]] = {}
+
+    def stepped(self, rt: Runtime) -> bool:
+        """True if the store's clock ran ahead since the last reading (or there was none)."""
+        store_time, mono = rt.store.store_time(), time.monotonic()
+        with self.lock:
+            last = self.seen.get(rt.settings.database_url)
+            self.seen[rt.settings.database_url] = (store_time, mono)
+        if last is None:
+            return True
+        ahead = (store_time - last[0]) - (mono - last[1])
+        if ahead > CLOCK_STEP_TOLERANCE:
+            log.warning("the store's clock stepped forward; the reaper waits a renewal "
+                        "interval before it reaps", extra={"action": "store_clock_step",
+                                                           "seconds": round(ahead, 3)})
+            return True
+        return False
+
+
+_clock_watch = _ClockWatch()
 
 
 @contextmanager
@@ -150,16 +197,25 @@ def republish_stranded(rt: Runtime, now: float | None = None) -> int:
     """
     now = time.time() if now is None else now
     window = rt.settings.republish_after_seconds
+    lost_after = min(window, rt.settings.republish_lost_after_seconds)
     served = _served_or_none(rt)
     ending: list[Move] = []
     republished: list[str] = []
-    for call in rt.store.stranded_queued(now - window):
+    search = routing.MessageSearch(rt.redis)
+    for call in rt.store.stranded_queued(now - lost_after):
         if served is not None and call.tool not in served:
             # No live worker consumes its queue: a copy would only wait beside the first, and
             # the call ends at its queue deadline (expire_unserved) unless a worker comes.
             continue
         with _one_row("republish_stranded", call.key):
-            send, why = _stranded(rt, call, now, window)
+            if _within(call, now, window) and (_within(call, now, lost_after)
+                                                or search.holds(routing.queue_for(call.tool),
+                                                                call.key)):
+                # Inside its window, a call is sent again only once its message is surely
+                # gone from Redis (lost in transit to a host a partition cut off), never
+                # while it may be waiting in its queue.
+                continue
+            send, why = _stranded(rt, call, now, lost_after)
             if why is not None:
                 ending.append(did_not_run_move(call, why))
             elif send and _republish(rt, call):
@@ -177,11 +233,16 @@ def _served_or_none(rt: Runtime) -> set[str] | None:
         return None
 
 
+def _within(call: ToolCallRow, now: float, window: float) -> bool:
+    """True while ``call``'s last publish is less than its (backed-off) ``window`` old."""
+    backoff = window * (2 ** min(call.republishes, MAX_REPUBLISH_DOUBLINGS))
+    return call.published_at is not None and now - call.published_at < backoff
+
+
 def _stranded(rt: Runtime, call: ToolCallRow, now: float,
               window: float) -> tuple[bool, str | None]:
     """What to do with a stranded call: (send it again?, why it must end "did not run")."""
-    backoff = window * (2 ** min(call.republishes, MAX_REPUBLISH_DOUBLINGS))
-    if call.published_at is not None and now - call.published_at < backoff:
+    if _within(call, now, window):
         return False, None
     if call.expires_at is not None and now > call.expires_at:
         return False, "it expired in the queue before a worker started it"
