@@ -13,6 +13,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from dex_tasks.agent.approvals import ApproverPermissionError, InvalidEditError
     from dex_tasks.agent.async_client import AsyncDexClient
     from dex_tasks.agent.calls import ToolCallRequest
     from dex_tasks.agent.client import DexClient, idempotency_key
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     )
     from dex_tasks.policy import EffectClass, InvalidPolicyError, ToolPolicy
     from dex_tasks.registry import Tool, ToolContext, define_tool, tool
+    from dex_tasks.rules import ApprovalRule, RuleError, when
     from dex_tasks.settings import DexSettings
     from dex_tasks.states import (
         OUTCOME_UNKNOWN_TOOL_RESULT,
@@ -58,7 +60,15 @@ if TYPE_CHECKING:
         TurnStep,
     )
     from dex_tasks.tokens import TokenClaims, issue_token, read_token, verify_token
+    from dex_tasks.webhooks import WebhookSignatureError, verify_webhook
 _LAZY: dict[str, str] = {
+    "ApprovalRule": "dex_tasks.rules",
+    "ApproverPermissionError": "dex_tasks.agent.approvals",
+    "InvalidEditError": "dex_tasks.agent.approvals",
+    "RuleError": "dex_tasks.rules",
+    "WebhookSignatureError": "dex_tasks.webhooks",
+    "verify_webhook": "dex_tasks.webhooks",
+    "when": "dex_tasks.rules",
     "AsyncDexClient": "dex_tasks.agent.async_client",
     "ToolCallRequest": "dex_tasks.agent.calls",
     "DexClient": "dex_tasks.agent.client",
@@ -118,6 +128,8 @@ __all__ = [
     "OUTCOME_UNKNOWN_TOOL_RESULT",
     "TOOL_DID_NOT_RUN",
     "AgentSnapshot",
+    "ApprovalRule",
+    "ApproverPermissionError",
     "AsyncDexClient",
     "CallEvent",
     "CallNotFoundError",
@@ -133,12 +145,14 @@ __all__ = [
     "IllegalTransitionError",
     "InvalidArgumentError",
     "InvalidCallError",
+    "InvalidEditError",
     "InvalidPolicyError",
     "InvalidTokenError",
     "MessageRole",
     "OutcomeUnknownError",
     "PendingInterrupt",
     "PrunedCallError",
+    "RuleError",
     "SchemaOutOfDateError",
     "SessionMessage",
     "StoreUnavailableError",
@@ -155,6 +169,7 @@ __all__ = [
     "TurnConflictError",
     "TurnStep",
     "UnknownToolError",
+    "WebhookSignatureError",
     "define_tool",
     "idempotency_key",
     "issue_token",
@@ -163,6 +178,8 @@ __all__ = [
     "report_unknown_outcomes_sync",
     "tool",
     "verify_token",
+    "verify_webhook",
+    "when",
 ]
 
 

@@ -58,6 +58,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dex_tasks.agent.approvals import (
     UNKNOWN_INTERRUPT,
     WRONG_SESSION,
+    ApproverPermissionError,
     SnapshotWindow,
     session_snapshot,
 )
@@ -229,10 +230,14 @@ async def resolve_interrupt(request: Request, credentials: Bearer) -> Response:
         return JSONResponse({"error": "session_id is required with an operator "
                                       "(all-sessions) token, which names no session"},
                             status_code=400)
-    accepted = await run_in_threadpool(
-        state.client.resolve_interrupt, session_id, body.interrupt_id, body.approved,
-        rejection_message=body.rejection_message, approver=claims.approver,
-    )
+    try:
+        accepted = await run_in_threadpool(
+            state.client.resolve_interrupt, session_id, body.interrupt_id, body.approved,
+            rejection_message=body.rejection_message, approver=claims.approver,
+            arguments=body.arguments, permissions=claims.permissions,
+        )
+    except ApproverPermissionError as err:
+        raise HTTPException(403, detail=f"not allowed: {err}") from err
     log.info("interrupt resolve requested", extra={
         "action": "http_interrupt_resolve", "session_id": session_id,
         "interrupt_id": body.interrupt_id, "approved": body.approved,
