@@ -11,7 +11,7 @@ A page's code is run the way a reader would run it, top to bottom:
   names, as a reader's session does), with ``DEX_REDIS_URL`` and ``DEX_DATABASE_URL`` pointing
   at this test's private Redis and a fresh SQLite store;
 * ``print(...)  # text``: a comment on a print's line is its output, and must be exactly what
-  it prints;
+  it prints (``# ... tail`` / ``# head ...``: what it ends / begins with);
 * every other ``dex-tasks ...`` command in a ```bash block must parse: it is run with
   ``--help`` appended, so an unknown command or option fails.
 
@@ -138,7 +138,14 @@ def compile_block(source: str, name: str) -> Any:
 def _dex_print(expected: str, *values: object) -> None:
     shown = " ".join(str(v) for v in values)
     print(shown)
-    if shown != expected:
+    # "... tail" and "head ..." say the output ends (begins) with the rest of the comment.
+    if expected.startswith("... "):
+        matches = shown.endswith(expected[4:])
+    elif expected.endswith(" ..."):
+        matches = shown.startswith(expected[:-4])
+    else:
+        matches = shown == expected
+    if not matches:
         raise AssertionError(f"printed {shown!r}, the comment says {expected!r}")
 
 
