@@ -4,7 +4,7 @@ The public names are re-exported here; see ``DESIGN.md`` for the contract they k
 """
 
 from dex_tasks.agent.async_client import AsyncDexClient
-from dex_tasks.agent.calls import ToolCallRequest
+from dex_tasks.agent.calls import ToolCallRequest, key_part
 from dex_tasks.agent.client import DexClient, idempotency_key
 from dex_tasks.agent.reconcile import report_unknown_outcomes, report_unknown_outcomes_sync
 from dex_tasks.errors import (
@@ -87,6 +87,7 @@ __all__ = [
     "define_tool",
     "idempotency_key",
     "issue_token",
+    "key_part",
     "report_unknown_outcomes",
     "report_unknown_outcomes_sync",
     "tool",

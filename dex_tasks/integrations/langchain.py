@@ -45,10 +45,8 @@ new answer's calls are new calls (``"exit"`` widens that window to the whole run
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import random
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -87,6 +85,7 @@ from dex_tasks import (
     ToolCallRecord,
     ToolSpec,
     UnknownToolError,
+    key_part,
 )
 
 __all__ = [
@@ -103,35 +102,6 @@ DEX_APPROVAL = "dex_approval"
 
 DEFAULT_WAIT_TIMEOUT = 300.0
 """Seconds a tool node waits for a call's result before it raises ``TimeoutError``."""
-
-# A framework id is used as it is when it is short and holds nothing the key format refuses;
-# otherwise it is mapped to a readable prefix and a hash of the whole id, the same every time.
-# 160 characters each keeps the three parts and their separators within the 512-character key.
-_PLAIN_ID = re.compile(r"[^/\x00-\x1f\x7f]{1,160}")
-_PREFIX_CHARS = 100
-
-
-def key_part(value: str) -> str:
-    """The dex id for a LangGraph id (a thread id, a message id, a tool-call id).
-
-    The id itself when it is at most 160 characters without ``/`` or control characters;
-    otherwise its first 100 characters (``/`` and control characters made ``_``), ``~`` and 32
-    hex digits of its SHA-256, so the same framework id always gives the same key.
-    """
-    if _PLAIN_ID.fullmatch(value) and _encodable(value):
-        return value
-    readable = re.sub(r"[/\x00-\x1f\x7f]", "_", value[:_PREFIX_CHARS])
-    readable = readable.encode("utf-8", "replace").decode("utf-8")
-    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-    return f"{readable}~{digest}"
-
-
-def _encodable(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate
-        return False
-    return True
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ How it works:
   (a mapping context needs no deserializer), so a resumed, replayed or re-run step finds its
   call instead of starting a new one. Use one ``turn_id`` per ``Runner.run`` on new input: fake
   models reuse call ids from one run to the next, and within a run the SDK itself refuses to
-  treat one call id as two invocations. A call id too long for a key, or holding ``/``, is
-  mapped to a short prefix and a hash of it: the same id always gives the same key.
+  treat one call id as two invocations. The call id goes into the key through
+  ``dex_tasks.key_part``, one-to-one: two different call ids never give one key.
 * Approval uses the SDK's human-in-the-loop: a call whose policy needs approval pauses the run
   (``result.interruptions``). :func:`apply_dex_decisions` records each pending call in dex-tasks,
   which holds it ``awaiting_approval`` with an interrupt a person decides
@@ -49,7 +49,6 @@ How it works:
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import uuid
 from collections.abc import Mapping, Sequence
@@ -90,6 +89,7 @@ from dex_tasks import (
     ToolSpec,
     UnknownToolError,
     idempotency_key,
+    key_part,
 )
 
 __all__ = [
@@ -102,10 +102,6 @@ __all__ = [
 
 DEFAULT_TIMEOUT = 120.0
 """Seconds a tool invocation waits for its call to end before it raises ``TimeoutError``."""
-
-# A model's call id goes into the key as it is when it is at most this long and holds no "/";
-# otherwise a readable prefix and a hash stand for it. OpenAI's ids are about 30 characters.
-_CALL_ID_MAX = 100
 
 
 class ApprovalPendingError(DexError):
@@ -311,17 +307,7 @@ def _call_ids(context: Any, call_id: str) -> tuple[str, str, str]:
                 f"Runner.run (or a context with session_id and turn_id), got {context!r}"
             )
         ids.append(value)
-    return ids[0], ids[1], _key_part(call_id)
-
-
-def _key_part(call_id: str) -> str:
-    """The model's call id if it can be part of a key as it is, else a prefix and its hash."""
-    if (0 < len(call_id) <= _CALL_ID_MAX and "/" not in call_id and "\x00" not in call_id
-            and call_id.isprintable()):
-        return call_id
-    digest = hashlib.sha256(call_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-    prefix = "".join(c for c in call_id[:40] if c.isalnum() or c in "-_.")
-    return f"{prefix}~{digest}"
+    return ids[0], ids[1], key_part(call_id)
 
 
 # -- the paused run -----------------------------------------------------------------------------
