@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from agents import RunContextWrapper, function_tool
 from pydantic_ai import RunContext
 

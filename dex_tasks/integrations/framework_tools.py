@@ -5,7 +5,8 @@
     from shop.agent_tools import lookup_order, refund_payment   # @tool / @function_tool / plain
 
     from_framework_tools([lookup_order, refund_payment],
-                         policies={"lookup_order": "read", "refund_payment": "non_idempotent_write"})
+                         policies={"lookup_order": "read",
+                                   "refund_payment": "non_idempotent_write"})
 
 Each tool keeps its name, its JSON schema and its description; a Google-style ``Args:``
 section of the docstring gives each parameter without one its description (and leaves the
@@ -199,7 +200,7 @@ def _openai(tool: Any) -> _Found:
             "function of it to call") from err
     from agents.function_schema import function_schema
 
-    properties = set((tool.params_json_schema.get("properties") or {}))
+    properties = set(tool.params_json_schema.get("properties") or {})
     _refuse_context(tool.name, fn, properties)
     # The tool's schema before the SDK made it strict (strict makes every argument required,
     # defaults included): the worker must accept what the function accepts.
