@@ -166,7 +166,12 @@ def _inspect(tool: Any) -> _Found:
 
 def _await(value: Any) -> Any:
     # A worker's tool runs in a thread of its own with no event loop: run the coroutine there.
-    return asyncio.run(value) if inspect.isawaitable(value) else value
+    if not inspect.isawaitable(value):
+        return value
+
+    async def wait() -> Any:
+        return await value
+    return asyncio.run(wait())
 
 
 def _langchain(tool: Any) -> _Found:
@@ -193,7 +198,7 @@ def _openai(tool: Any) -> _Found:
             f"{tool!r} is not an OpenAI Agents SDK FunctionTool: only @function_tool tools "
             "(whose Python function a worker can call) are served")
     try:
-        fn = tool.__wrapped__
+        fn: Callable[..., Any] = tool.__wrapped__
     except AttributeError as err:
         raise ToolDefinitionError(
             f"OpenAI tool {tool.name!r} was not made by @function_tool: a worker has no "
@@ -226,7 +231,7 @@ def _pydantic_ai(tool: Any) -> _Found:
         raise ToolDefinitionError(
             f"Pydantic AI tool {wrapped.name!r} takes a RunContext, which lives in the agent "
             "process: a worker cannot give it one; serve a function without it")
-    fn = wrapped.function
+    fn: Callable[..., Any] = wrapped.function
 
     def run(arguments: dict[str, Any]) -> Any:
         return _await(fn(**arguments))
