@@ -22,6 +22,7 @@ from dex_tasks.errors import (
     StoreUnavailableError,
     ToolDefinitionError,
     TransientToolError,
+    TurnConflictError,
     UnknownToolError,
 )
 from dex_tasks.policy import EffectClass, InvalidPolicyError, ToolPolicy
@@ -42,6 +43,8 @@ from dex_tasks.store.records import (
     PendingInterrupt,
     SessionMessage,
     ToolCallRecord,
+    Turn,
+    TurnStep,
 )
 from dex_tasks.tokens import TokenClaims, issue_token, verify_token
 
@@ -83,6 +86,9 @@ __all__ = [
     "ToolPolicy",
     "ToolSpec",
     "TransientToolError",
+    "Turn",
+    "TurnConflictError",
+    "TurnStep",
     "UnknownToolError",
     "define_tool",
     "idempotency_key",

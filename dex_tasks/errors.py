@@ -9,6 +9,7 @@ catch one type. The tree::
     ├── UnknownToolError        no local tool and no catalog entry has that name (or no catalog)
     ├── ToolDefinitionError     a @tool function cannot be turned into a tool
     ├── ConflictError           the idempotency key exists with another tool or other arguments
+    │   └── TurnConflictError   a durable turn's step or turn id already journaled otherwise
     ├── CallNotFoundError       no call is stored under that key
     ├── IllegalTransitionError  code asked the store for a status change the state machine forbids
     ├── StoreUnavailableError   the SQL store could not be reached or refused the statement
@@ -68,6 +69,22 @@ class ConflictError(DexError):
     def __init__(self, key: str, field: str) -> None:
         super().__init__(f"idempotency key {key!r} is already used by a call with a different "
                          f"{field}; a key names exactly one call")
+        self.key = key
+        self.field = field
+
+
+class TurnConflictError(ConflictError):
+    """A durable turn already journaled something else at this place: another model response
+    for a step, a step after the turn ended, another input or answer for the turn id.
+
+    ``key`` names the turn (``session/turn``, with ``#step`` for a step); ``field`` what
+    differs.
+    """
+
+    def __init__(self, key: str, field: str, detail: str = "") -> None:
+        DexError.__init__(self, f"{key!r} is already journaled with a different {field}"
+                                f"{': ' + detail if detail else ''}; a step records exactly "
+                                "one model response, and a turn one input and one answer")
         self.key = key
         self.field = field
 

@@ -92,8 +92,10 @@ def test_a_turn_is_recorded_in_one_transaction_and_sent_in_one_round_trip(
     # When a model's five parallel calls are made at once
     records = client.call_tools(TURN, session_id="s1", turn_id="t1")
     # Then they were written in one transaction, and the four that start were sent in one
-    # write to Redis; the refund waits for approval with its own interrupt, as call_tool does
-    assert len(commits) == 1
+    # write to Redis (then one UPDATE records that they were sent: a call with no publish
+    # time was recorded but never sent, issue 18); the refund waits for approval with its own
+    # interrupt, as call_tool does
+    assert len(commits) == 2
     assert sends.writes_with_lpush == [4]
     assert _queued_messages(rt) == 4
     assert [r.tool_call_id for r in records] == ["a", "b", "c", "d", "e"]
@@ -196,7 +198,7 @@ def test_invalid_arguments_end_only_that_call_in_the_same_transaction(
     batch = [TURN[0], {"tool_call_id": "x", "tool": "lookup_order",
                        "arguments": {"order_id": 5}}]
     records = client.call_tools(batch, session_id="s1", turn_id="t1")
-    assert len(commits) == 1
+    assert len(commits) == 2  # the batch, and the publish time of the one call sent
     assert records[0].status is CallStatus.QUEUED
     assert records[1].status is CallStatus.FAILED
     assert (records[1].error or "").startswith(TOOL_DID_NOT_RUN)

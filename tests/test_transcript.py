@@ -189,11 +189,12 @@ def test_the_transcript_is_the_whole_conversation_in_order(
             snapshot = await client.get_agent_snapshot("s1")
             return [(m.role.value, m.turn_id, m.text or m.tool) for m in snapshot.messages]
 
+    # The user's message waited for turn 2 and is read after its last tool message (issue 18)
     assert asyncio.run(agent()) == [
         ("assistant", "t1", "Let me look up order 1001."),
         ("tool", "t1", "lookup_order"),
-        ("user", None, "and refund the shipping"),
         ("tool", "t2", "refund_payment"),
+        ("user", None, "and refund the shipping"),
         ("assistant", "t3", "Refunded, shipping too."),
     ]
 

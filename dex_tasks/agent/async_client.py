@@ -93,6 +93,10 @@ class AsyncDexClient:
     resolve_interrupt = in_thread(DexClient.resolve_interrupt)
     send_user_message = in_thread(DexClient.send_user_message)
     add_assistant_message = in_thread(DexClient.add_assistant_message)
+    begin_turn = in_thread(DexClient.begin_turn)
+    record_step = in_thread(DexClient.record_step)
+    end_turn = in_thread(DexClient.end_turn)
+    open_turn = in_thread(DexClient.open_turn)
     events = in_thread(DexClient.events)
 
     async def wait(self, key: str, timeout: float = 30.0) -> ToolCallRecord:

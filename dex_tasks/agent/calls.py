@@ -209,8 +209,10 @@ def _rows(
         "status": (CallStatus.AWAITING_APPROVAL if hold else CallStatus.QUEUED).value,
         "attempts": 0,
         "interrupt_id": interrupt_id,
-        # Set before the publish so the republisher leaves a call being published alone.
-        "published_at": None if hold else now,
+        # Set once the publish went through (DexClient._publish_new): a queued call with none
+        # was recorded but never sent, which the next request of its key and the
+        # republisher send (the republisher leaves it a few seconds, for a publish under way).
+        "published_at": None,
         "expires_at": now + expires_in if expires_in else None,
         "created_at": now,
         "updated_at": now,

@@ -12,7 +12,7 @@ from celery import Celery
 from pydantic import ValidationError
 from sqlalchemy.engine import Connection
 
-from dex_tasks.agent import approvals
+from dex_tasks.agent import approvals, turns
 from dex_tasks.agent.calls import (
     NewCall,
     ToolCallRequest,
@@ -35,11 +35,18 @@ from dex_tasks.errors import (
 from dex_tasks.policy import EffectClass, seconds
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
-from dex_tasks.store import Store, catalog, transcript
+from dex_tasks.store import Store, catalog, journal, transcript
+from dex_tasks.store.calls import unsent
 from dex_tasks.store.catalog import ToolSpec
 from dex_tasks.store.checkpoints import Checkpoints
 from dex_tasks.store.models import ToolCallRow
-from dex_tasks.store.records import AgentSnapshot, CallEvent, SessionMessage, ToolCallRecord
+from dex_tasks.store.records import (
+    AgentSnapshot,
+    CallEvent,
+    SessionMessage,
+    ToolCallRecord,
+    Turn,
+)
 
 # Columns a new call's row leaves at their defaults (see calls.new_call).
 _UNSET_COLUMNS: dict[str, Any] = {
@@ -212,7 +219,17 @@ class DexClient:
         "did not run" (those a worker received anyway run: the store's compare-and-set
         decides, as for :meth:`call_tool`).
         """
-        requests = _requests(calls)
+        return self._record_calls(_requests(calls), session_id, turn_id, default_effect,
+                                  approval_deadline, expires_in)
+
+    def _record_calls(
+        self, requests: Sequence[ToolCallRequest], session_id: str, turn_id: str,
+        default_effect: EffectClass | str | None, approval_deadline: float | timedelta | None,
+        expires_in: float | timedelta | None, step: turns.StepJournal | None = None,
+    ) -> list[ToolCallRecord]:
+        """``call_tools``, and ``record_step`` when ``step`` is given: the step's assistant
+        message is then inserted in the calls' transaction, unless it is journaled already
+        (with the same response and calls: else :class:`TurnConflictError`)."""
         deadline = seconds(approval_deadline, "approval_deadline")
         expires = seconds(expires_in, "expires_in")
         options = request_options(default_effect, deadline, expires)
@@ -232,7 +249,17 @@ class DexClient:
             seen[key] = i
             checked.append((key, request, plain, args_json))
 
+        tool_calls = journal.step_calls(
+            [{"tool_call_id": request.tool_call_id, "tool": request.tool, "arguments": plain}
+             for _, request, plain, _ in checked])
         for _ in range(_INSERT_TRIES):
+            write_step = None
+            if step is not None:
+                stored_step = step.stored(self.store)
+                if stored_step is not None:
+                    step.check_same(stored_step, tool_calls)  # TurnConflictError
+                else:
+                    write_step = step.writer(tool_calls)
             existing = self.store.get_calls([key for key, *_ in checked])
             stored_options = self.store.requested_options(list(existing))
             new: list[NewCall] = []
@@ -249,7 +276,8 @@ class DexClient:
                 ))
             if self.store.insert_calls([c.row for c in new],
                                        [c.interrupt for c in new if c.interrupt is not None],
-                                       requested=options, then=self._end_invalid(new)):
+                                       requested=options,
+                                       then=self._end_invalid(new, write_step)):
                 break
         else:
             raise StoreUnavailableError(
@@ -257,7 +285,9 @@ class DexClient:
                 f"the same ids; nothing of this batch was recorded")
 
         views = {c.key: _inserted(c) for c in new}
+        # Calls recorded but never sent (their recorder died before its publish) go with them.
         to_send = [views[c.key] for c in new if c.sends_message]
+        to_send += unsent(existing.values(), time.time())
         reread = {c.key for c in new if c.invalid is not None}
         if to_send and not self._publish_new(to_send):
             reread |= {call.key for call in to_send}
@@ -303,7 +333,6 @@ class DexClient:
                 publish(self.app, calls[0])
             else:
                 publish_many(self.app, calls)
-            return True
         except Exception as err:  # noqa: BLE001 - any publish failure means no worker got it
             # If a message did get through after all, the worker's claim and this
             # compare-and-set race: exactly one wins, and the record says which.
@@ -317,12 +346,22 @@ class DexClient:
                         conn=conn,
                     )
             return False
+        # Recorded with no publish time: until this lands, the republisher (after a few
+        # seconds) and the next request of the key send a call whose recorder died before
+        # its publish. One UPDATE per batch.
+        self.store.mark_published([call.key for call in calls])
+        return True
 
-    def _end_invalid(self, calls: Sequence[NewCall]) -> Callable[[Connection], None]:
-        """What ``insert_calls`` runs in its transaction: end the calls whose arguments were
-        refused "did not run", as ``call_tool`` does (there in a transaction of its own)."""
+    def _end_invalid(self, calls: Sequence[NewCall],
+                     write_step: Callable[[Connection], None] | None = None,
+                     ) -> Callable[[Connection], None]:
+        """What ``insert_calls`` runs in its transaction: journal the step (``record_step``),
+        and end the calls whose arguments were refused "did not run", as ``call_tool`` does
+        (there in a transaction of its own)."""
 
         def end(conn: Connection) -> None:
+            if write_step is not None:
+                write_step(conn)
             for call in calls:
                 if call.invalid is not None:
                     self.store.transition(
@@ -338,7 +377,10 @@ class DexClient:
         """The stored record of a repeated request, or :class:`ConflictError` naming what the
         request changed (the stored options are read only here, on the repeat path)."""
         stored = self.store.requested_options([existing.key]).get(existing.key)
-        return same_call(existing, tool, args_json, options, stored)
+        record = same_call(existing, tool, args_json, options, stored)
+        if unsent([existing], time.time()) and not self._publish_new([existing]):
+            return self.get_tool_call(existing.key)
+        return record
 
     def get_tool_call(self, key: str) -> ToolCallRecord:
         """The call's record; :class:`CallNotFoundError` if no call has that key."""
@@ -416,11 +458,82 @@ class DexClient:
     def add_assistant_message(self, session_id: str, turn_id: str, text: str) -> SessionMessage:
         """Record the model's own text of turn ``turn_id`` in the session's transcript.
 
-        The transcript (``get_agent_snapshot(...).messages``) then holds the whole
-        conversation: user messages, the model's text, and each call's tool message. Returns
+        In a durable turn (:meth:`begin_turn`) this is the model's answer without tools: it
+        ends the turn, as :meth:`end_turn` does. The transcript
+        (``get_agent_snapshot(...).messages``) then holds the whole conversation: user
+        messages, the model's text, and each call's tool message. Returns
         the stored message; :class:`InvalidArgumentError` names a malformed argument.
         """
-        return transcript.add_assistant_message(self.store, session_id, turn_id, text)
+        return turns.add_assistant_message(self.store, session_id, turn_id, text)
+
+    # -- durable turns (agent/turns.py) ---------------------------------------------------------
+
+    def begin_turn(self, session_id: str, input_text: str, *,
+                   turn_id: str | None = None) -> Turn:
+        """Begin a durable turn of the session with the user's ``input_text``, or continue the
+        one a previous run left open; returns the :class:`Turn`.
+
+        * The session has an open turn with this input: that turn, ``resumed=True``, with its
+          journaled ``steps`` (the agent process was restarted: replay them).
+        * It has an open turn with another input: the input is queued as a user message (once),
+          delivered when that turn ends (the seeds' rule), and the open turn is returned with
+          ``queued_input=True``; no second turn is started.
+        * ``turn_id`` names a turn that has ended: that turn, with its ``answer``.
+        * Otherwise a new turn (``turn_id``, or a fresh id), the input recorded as the user
+          message that began it.
+
+        :class:`TurnConflictError` if ``turn_id`` names a turn begun with another input.
+        """
+        return turns.begin_turn(self.store, session_id, input_text, turn_id)
+
+    def record_step(
+        self,
+        session_id: str,
+        turn_id: str,
+        step: int,
+        response: str,
+        calls: Sequence[ToolCallRequest | Mapping[str, Any]],
+        *,
+        text: str | None = None,
+        default_effect: EffectClass | str | None = None,
+        approval_deadline: float | timedelta | None = None,
+        expires_in: float | timedelta | None = None,
+    ) -> list[ToolCallRecord]:
+        """Journal one model response of the turn and start the calls it requested; returns
+        their records in the order given.
+
+        ``step`` is the response's position in the turn (0 first; the next one, or one already
+        journaled), ``response`` the response as the adapter serialises it (JSON text, given
+        back by :meth:`open_turn` to replay), ``text`` the model's text in it, ``calls`` its
+        tool calls (as for :meth:`call_tools`, whose other arguments these are). The step is an
+        assistant message carrying the calls, written in the same transaction as the calls,
+        before any of them is sent. A turn not begun is begun by its first step.
+
+        Idempotent: recording a journaled step again (a replay) returns its calls' records and
+        starts nothing again, except a call recorded but never sent, which is sent once. Another
+        response or other calls for a journaled step, or a step in a turn that has ended, raise
+        :class:`TurnConflictError` naming the step; nothing is written.
+        """
+        requests = _requests(calls)
+        journaled = turns.step_journal(session_id, turn_id, step, response, text)
+        return self._record_calls(requests, session_id, turn_id, default_effect,
+                                  approval_deadline, expires_in, step=journaled)
+
+    def end_turn(self, session_id: str, turn_id: str, text: str, *,
+                 response: str | None = None) -> SessionMessage:
+        """The model answered without requesting tools: record its answer ``text`` (and its
+        serialised ``response``) as an assistant message and end the turn; only then are the
+        user messages that waited for it delivered, after the answer in the transcript.
+
+        Idempotent for the same text (a turn that ended with it returns that message); another
+        answer for a turn that has ended raises :class:`TurnConflictError`.
+        """
+        return turns.end_turn(self.store, session_id, turn_id, text, response)
+
+    def open_turn(self, session_id: str) -> Turn | None:
+        """The session's open turn with its journaled steps and their calls' records, in one
+        read; None when no turn of the session is open."""
+        return turns.open_turn(self.store, session_id)
 
     def events(self, session_id: str, after: int = 0) -> list[CallEvent]:
         """The session's events after cursor ``after`` (an event's ``id``)."""

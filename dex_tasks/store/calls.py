@@ -14,6 +14,7 @@ from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
+from dex_tasks.states import CallStatus
 from dex_tasks.store.base import StoreBase
 from dex_tasks.store.models import CallEventRow, CatalogRow, ToolCallRow
 from dex_tasks.store.tables import (
@@ -26,6 +27,21 @@ from dex_tasks.store.tables import (
 )
 
 _GET_CALL = select(CALLS).where(CALLS.c.key == bindparam("get_key"))
+
+UNSENT_GRACE_SECONDS = 2.0
+"""A queued call with no ``published_at`` was recorded but not (yet) sent: its recorder
+publishes right after the commit and then sets the time. One still without it this many
+seconds after it was recorded lost its recorder in between (killed, OOM): the next request
+of its key and the republisher send it. Younger ones are left to their recorder, so that
+concurrent repeats of a request do not each send a copy."""
+
+
+def unsent(calls: Iterable[Any], now: float) -> list[Any]:
+    """The calls among ``calls`` that were recorded but never sent (see
+    :data:`UNSENT_GRACE_SECONDS`)."""
+    return [call for call in calls
+            if call.status == CallStatus.QUEUED.value and call.published_at is None
+            and now - call.created_at >= UNSENT_GRACE_SECONDS]
 
 
 def requested_event(row: Mapping[str, Any],
@@ -85,28 +101,32 @@ class Calls(StoreBase):
         transaction; False, with nothing written, if any of the keys exists already.
 
         ``then(conn)`` runs in the same transaction after the inserts (the client ends calls
-        with invalid arguments there), so the whole batch commits or none of it does. Retried
+        with invalid arguments there, and journals the model response that requested them),
+        so the whole batch commits or none of it does; it runs even when ``rows`` is empty. Retried
         across a lost connection like :meth:`insert_call`: when a retry finds the first key
         taken by the very row this batch inserted, an earlier try committed the whole batch.
         """
-        if not rows:
+        if not rows and then is None:
             return True
         tries = 0
 
         def attempt(conn: Connection, n: int) -> None:
             nonlocal tries
             tries = n
-            conn.execute(INSERT_CALL, [dict(r) for r in rows])
-            if interrupts:
-                conn.execute(INSERT_INTERRUPT, [dict(i) for i in interrupts])
-            conn.execute(INSERT_EVENT, [requested_event(r, requested) for r in rows])
+            if rows:
+                conn.execute(INSERT_CALL, [dict(r) for r in rows])
+                if interrupts:
+                    conn.execute(INSERT_INTERRUPT, [dict(i) for i in interrupts])
+                conn.execute(INSERT_EVENT, [requested_event(r, requested) for r in rows])
             if then is not None:
                 then(conn)
 
         try:
             self._retrying(attempt)
         except IntegrityError:
-            if tries > 1:
+            # A key taken, or what ``then`` inserts (a journaled step) taken: the caller reads
+            # again and finds the other writer's.
+            if tries > 1 and rows:
                 first = rows[0]
                 stored = self.get_call(first["key"])
                 return stored is not None and (stored.created_at, stored.arguments) == (

@@ -13,7 +13,7 @@ from sqlalchemy import bindparam, exists, func, literal, select, text, update
 from sqlalchemy.engine import Connection
 
 from dex_tasks.states import CallStatus, MessageRole
-from dex_tasks.store.tables import CALLS, MESSAGES
+from dex_tasks.store.tables import CALLS, MESSAGES, TURNS
 
 DELIVERY_LOCK_SPACE = 0x64657801  # the first key of dex-tasks' per-session message locks
 _OPEN_STATUSES = [CallStatus.AWAITING_APPROVAL.value, CallStatus.QUEUED.value,
@@ -70,15 +70,26 @@ def delivery_statement(*, one_session: bool) -> Any:
     open_call = exists().where(
         c.c.session_id == m.c.session_id, c.c.status.in_(_OPEN_STATUSES), turn_begun_before
     )
+    # A durable turn (journal.py) holds its session's messages until the model answers
+    # without tools, even between its steps, when none of its calls is open.
+    open_turn = exists().where(
+        TURNS.c.session_id == m.c.session_id, TURNS.c.status == "open",
+        TURNS.c.created_at <= m.c.created_at,
+    ).correlate(m)
     ready = select(m.c.id).where(m.c.status == "queued", m.c.role == MessageRole.USER.value,
-                                 ~open_call)
+                                 ~open_call, ~open_turn)
     if one_session:
         ready = ready.where(m.c.session_id == bindparam("deliver_session"))
+    # A delivered message sits after the session's last message (the one that ended its
+    # turn), not where it was sent: the model reads it after the turn's tool messages.
+    last = MESSAGES.alias("last")
+    last_id = (select(func.max(last.c.id)).where(last.c.session_id == MESSAGES.c.session_id)
+               .correlate(MESSAGES).scalar_subquery())
     return (
         update(MESSAGES)
         .where(MESSAGES.c.id.in_(ready.with_for_update(skip_locked=True)),
                MESSAGES.c.status == "queued")
-        .values(status="delivered", delivered_at=bindparam("deliver_now"))
+        .values(status="delivered", delivered_at=bindparam("deliver_now"), follows=last_id)
     )
 
 

@@ -151,6 +151,9 @@ class MessageRow(SQLModel, table=True):
         # One tool message per call, whatever code ended it: a backstop behind the guarded
         # transition (user and assistant messages have no key, and NULLs never collide).
         Index("ux_dex_messages_key", "key", unique=True),
+        # One journaled model response per step of a turn (durable turns): two processes that
+        # record the same step race on this index, and the loser reads the winner's.
+        Index("ux_dex_messages_step", "session_id", "turn_id", "step", unique=True),
     )
 
     id: int | None = Field(default=None, primary_key=True, sa_type=ID)
@@ -169,6 +172,37 @@ class MessageRow(SQLModel, table=True):
     call_status: str | None = Field(default=None, max_length=32)
     tool_arguments: str | None = Field(default=None, sa_column=Column(JsonText, nullable=True))
     tool_output: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    # Durable turns (``journal.py``): an assistant message that journals a model response has
+    # its ``step`` (its position in the turn), the ``response`` as the adapter serialised it,
+    # and the ``tool_calls`` it requested (``[{"tool_call_id", "tool", "arguments"}]``).
+    step: int | None = None
+    response: str | None = Field(default=None, sa_column=Column(JsonText, nullable=True))
+    tool_calls: str | None = Field(default=None, sa_column=Column(JsonText, nullable=True))
+    # A user message delivered after it waited (queued) sits right after message ``follows``,
+    # the session's last message when its turn ended: the transcript's order, not the id's.
+    follows: int | None = Field(default=None, sa_type=ID)
+
+
+class TurnRow(SQLModel, table=True):
+    """One turn of a session as a durable flow: begun by an input, ended by the model's answer.
+
+    ``status`` is ``open`` until the model answers without requesting tools (``ended``). While
+    a turn is open, user messages sent to its session wait (``queued``), and a restarted agent
+    continues it from its journaled steps (assistant messages with a ``step``).
+    """
+
+    __tablename__ = "dex_turns"
+    __table_args__ = (
+        # The open turn of a session, and delivery's "is a turn open here?": one index range.
+        Index("ix_dex_turns_status_session", "status", "session_id"),
+    )
+
+    session_id: str = Field(primary_key=True, max_length=SESSION_ID_MAX)
+    turn_id: str = Field(primary_key=True, max_length=TURN_ID_MAX)
+    input: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    status: str = Field(max_length=16)
+    created_at: float
+    ended_at: float | None = None
 
 
 class CatalogRow(SQLModel, table=True):

@@ -153,6 +153,11 @@ class SessionMessage(BaseModel):
     call_status: CallStatus | None = None
     tool_arguments: str | None = None
     tool_output: str | None = None
+    step: int | None = None
+    """On an assistant message that journals a model response of a durable turn: its position
+    in the turn (0 first); ``tool_calls`` are the calls that response requested, each a dict
+    with ``tool_call_id``, ``tool`` and ``arguments``."""
+    tool_calls: list[dict[str, Any]] | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> SessionMessage:
@@ -164,6 +169,8 @@ class SessionMessage(BaseModel):
             tool_call_id=row["tool_call_id"], tool=row["tool"], key=row["key"],
             call_status=CallStatus(row["call_status"]) if row["call_status"] else None,
             tool_arguments=row["tool_arguments"], tool_output=row["tool_output"],
+            step=row.get("step"),
+            tool_calls=json.loads(row["tool_calls"]) if row.get("tool_calls") else None,
         )
 
 
@@ -176,3 +183,56 @@ class AgentSnapshot(BaseModel):
     messages: list[SessionMessage] = []
     pending_interrupts: list[PendingInterrupt] = []
     decided: list[Decision] = []
+
+
+class TurnStep(BaseModel):
+    """One journaled step of a durable turn: a model response and the calls it requested.
+
+    ``step`` is its position in the turn (0 first); ``response`` the model response as the
+    adapter serialised it (JSON text), replayed instead of asking the model again; ``text``
+    the model's text in it, if any; ``calls`` the records of its tool calls, in the order the
+    response requested them (recorded in the same transaction as the step).
+    """
+
+    step: int
+    response: str
+    text: str | None = None
+    calls: list[ToolCallRecord] = []
+    created_at: datetime
+
+
+class Turn(BaseModel):
+    """A turn of a session as a durable flow (``DexClient.begin_turn``, ``open_turn``).
+
+    ``status`` is ``open`` until the model answers without tools (``end_turn``), then
+    ``ended``, with the answer in ``answer``. ``steps`` are the journaled model responses,
+    step 0 first; an adapter replays ``steps[i]`` for its i-th model request instead of asking
+    the model. ``resumed`` is True when ``begin_turn`` found this turn open already (the agent
+    process restarted); ``queued_input`` when ``begin_turn`` was given another input, which
+    was queued as a user message for after this turn.
+    """
+
+    session_id: str
+    turn_id: str
+    input: str | None = None
+    status: Literal["open", "ended"]
+    steps: list[TurnStep] = []
+    answer: str | None = None
+    resumed: bool = False
+    queued_input: bool = False
+    created_at: datetime
+    ended_at: datetime | None = None
+
+    @property
+    def open(self) -> bool:
+        """True while the model has not answered without tools."""
+        return self.status == "open"
+
+    @property
+    def next_step(self) -> int:
+        """The position of the next model response of this turn."""
+        return len(self.steps)
+
+    def step(self, position: int) -> TurnStep | None:
+        """The journaled step at ``position``, or None if the model has not answered it yet."""
+        return self.steps[position] if 0 <= position < len(self.steps) else None

@@ -18,7 +18,14 @@ from sqlalchemy.sql.operators import custom_op
 
 from dex_tasks.states import CallStatus
 from dex_tasks.store.connections import store_now
-from dex_tasks.store.models import CallEventRow, CatalogRow, InterruptRow, MessageRow, ToolCallRow
+from dex_tasks.store.models import (
+    CallEventRow,
+    CatalogRow,
+    InterruptRow,
+    MessageRow,
+    ToolCallRow,
+    TurnRow,
+)
 
 log = logging.getLogger("dex_tasks.store")
 
@@ -27,6 +34,7 @@ EVENTS = CallEventRow.__table__  # type: ignore[attr-defined]
 INTERRUPTS = InterruptRow.__table__  # type: ignore[attr-defined]
 CATALOG = CatalogRow.__table__  # type: ignore[attr-defined]
 MESSAGES = MessageRow.__table__  # type: ignore[attr-defined]
+TURNS = TurnRow.__table__  # type: ignore[attr-defined]
 
 
 def readable_calls(rows: Iterable[Any]) -> list[ToolCallRow]:

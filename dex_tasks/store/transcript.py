@@ -196,11 +196,22 @@ def _read_one(conn: Connection, message_id: int) -> SessionMessage:
 
 
 def session_messages(conn: Connection, session_id: str) -> list[SessionMessage]:
-    """The session's transcript, oldest first, read in the caller's transaction."""
+    """The session's transcript, oldest first, read in the caller's transaction.
+
+    In the order the model reads it: by id, except that a user message which waited for its
+    turn to end sits right after the message that ended it (``follows``). One still waiting
+    (``queued``) is shown where it was sent.
+    """
     rows = conn.execute(
         select(MESSAGES).where(MESSAGES.c.session_id == session_id).order_by(MESSAGES.c.id)
-    ).mappings()
-    return [SessionMessage.from_row(dict(row)) for row in rows]
+    ).mappings().all()
+    return [SessionMessage.from_row(dict(row)) for row in sorted(rows, key=transcript_order)]
+
+
+def transcript_order(row: Any) -> tuple[int, bool, int]:
+    """Sort key of a message row in its session's transcript (see :func:`session_messages`)."""
+    follows = row["follows"]
+    return (row["id"] if follows is None else follows, follows is not None, row["id"])
 
 
 class InvalidCheckResultError(DexError):

@@ -21,6 +21,7 @@ from dex_tasks.errors import StoreUnavailableError
 from dex_tasks.policy import EffectClass
 from dex_tasks.states import CallStatus
 from dex_tasks.store import CALLS, Move, deadlines, readable_calls, transcript
+from dex_tasks.store.calls import unsent
 from dex_tasks.store.models import ToolCallRow
 from dex_tasks.worker import claims
 from dex_tasks.worker.execution import (
@@ -127,6 +128,10 @@ MAX_REPUBLISH_DOUBLINGS = 6
 def republish_stranded(rt: Runtime, now: float | None = None) -> int:
     """Republish queued calls whose message seems lost; returns how many it acted on.
 
+    A call recorded but never sent (no ``published_at``: its recorder died between the store's
+    commit and the publish) is sent once it is ``UNSENT_GRACE_SECONDS`` old, not after
+    the window.
+
     A call republished ``n`` times already waits ``window * 2**n`` (capped at 64 windows)
     before the next republish: a message that is only stuck behind a backlog is not copied
     again every window, while a lost one is still sent again.
@@ -170,7 +175,10 @@ def _stranded(rt: Runtime, call: ToolCallRow, now: float,
               window: float) -> tuple[bool, str | None]:
     """What to do with a stranded call: (send it again?, why it must end "did not run")."""
     backoff = window * (2 ** min(call.republishes, MAX_REPUBLISH_DOUBLINGS))
-    if call.published_at is not None and now - call.published_at < backoff:
+    if call.published_at is None:
+        if not unsent([call], now):
+            return False, None  # its recorder is publishing it
+    elif now - call.published_at < backoff:
         return False, None
     if call.expires_at is not None and now > call.expires_at:
         return False, "it expired in the queue before a worker started it"
