@@ -53,6 +53,7 @@ from typing import Any, cast
 
 try:
     from langchain.agents.middleware import AgentMiddleware, AgentState, ToolCallRequest
+    from langchain_core.callbacks.manager import AsyncCallbackManager, CallbackManager
     from langchain_core.messages import AIMessage, ToolCall, ToolMessage
     from langchain_core.runnables import RunnableConfig
     from langchain_core.tools import BaseTool, StructuredTool
@@ -109,6 +110,8 @@ class _CallIds:
     session_id: str
     turn_id: str
     tool_call_id: str
+    # Every call of the AI message holding this one: the model response's parallel calls.
+    siblings: tuple[ToolCall, ...] = ()
 
 
 def _call_ids(call: ToolCall, state: Any, config: RunnableConfig) -> _CallIds:
@@ -132,7 +135,8 @@ def _call_ids(call: ToolCall, state: Any, config: RunnableConfig) -> _CallIds:
             f"no AI message with an id in the graph state holds tool call {call_id!r}: its "
             "id is the dex turn id"
         )
-    return _CallIds(key_part(str(thread_id)), key_part(message.id), key_part(call_id))
+    return _CallIds(key_part(str(thread_id)), key_part(message.id), key_part(call_id),
+                    tuple(message.tool_calls))
 
 
 def _messages_of(state: Any) -> Sequence[Any]:
@@ -199,6 +203,7 @@ class _Runner:
         client: DexClient | AsyncDexClient,
         wait_timeout: float,
         default_effect: EffectClass | str | None,
+        local_tools: Iterable[str | BaseTool] = (),
     ) -> None:
         if isinstance(client, AsyncDexClient):
             self.sync: DexClient = client.sync
@@ -216,6 +221,10 @@ class _Runner:
                                        f"got {wait_timeout!r}")
         self.wait_timeout = float(wait_timeout)
         self.default_effect = default_effect
+        if isinstance(local_tools, str):
+            raise InvalidArgumentError(f"local_tools must be a list of tools or tool names, "
+                                       f"got the string {local_tools!r}")
+        self.local_tools = frozenset(t if isinstance(t, str) else t.name for t in local_tools)
         # LangGraph runs a step's tool calls in threads: create the client's Celery app now,
         # as DexClient.app would lazily, so that two threads never race to build two.
         _ = self.sync.app
@@ -226,12 +235,39 @@ class _Runner:
             self._async = AsyncDexClient(client=self.sync)
         return self._async
 
-    def run(self, call: ToolCall, state: Any, config: RunnableConfig) -> ToolMessage:
-        ids = _call_ids(call, state, config)
-        record = self.sync.call_tool(
+    def batch(self, ids: _CallIds) -> list[dict[str, Any]]:
+        """The dex calls of the model response holding a call (its local tools left out)."""
+        return [{"tool_call_id": key_part(str(c["id"])), "tool": c["name"], "arguments": c["args"]}
+                for c in ids.siblings if c.get("id") and c["name"] not in self.local_tools]
+
+    def record(self, call: ToolCall, ids: _CallIds) -> ToolCallRecord:
+        """The call's record, the response's parallel calls recorded with it.
+
+        LangGraph runs a response's calls one node task each, in parallel: the first to get
+        here records all of them in one transaction and starts them with one publish
+        (``call_tools``); the others find them recorded. A response naming a tool no worker
+        serves is recorded call by call, so that only that call is answered as unknown.
+        """
+        batch = self.batch(ids)
+        if len(batch) > 1:
+            try:
+                records = self.sync.call_tools(batch, session_id=ids.session_id,
+                                               turn_id=ids.turn_id,
+                                               default_effect=self.default_effect)
+            except UnknownToolError:
+                pass
+            else:
+                for record in records:
+                    if record.tool_call_id == ids.tool_call_id:
+                        return record
+        return self.sync.call_tool(
             session_id=ids.session_id, turn_id=ids.turn_id, tool_call_id=ids.tool_call_id,
             tool=call["name"], arguments=call["args"], default_effect=self.default_effect,
         )
+
+    def run(self, call: ToolCall, state: Any, config: RunnableConfig) -> ToolMessage:
+        ids = _call_ids(call, state, config)
+        record = self.record(call, ids)
         # The first pass pauses the graph here. A resumed (re-run) node gets the same record
         # back from call_tool; if it is still undecided, the resume value was premature or
         # forged: interrupt again, which pauses the graph anew.
@@ -245,10 +281,7 @@ class _Runner:
     async def arun(self, call: ToolCall, state: Any, config: RunnableConfig) -> ToolMessage:
         ids = _call_ids(call, state, config)
         client = self.aclient
-        record = await client.call_tool(
-            session_id=ids.session_id, turn_id=ids.turn_id, tool_call_id=ids.tool_call_id,
-            tool=call["name"], arguments=call["args"], default_effect=self.default_effect,
-        )
+        record = await asyncio.to_thread(self.record, call, ids)
         while record.status is CallStatus.AWAITING_APPROVAL:  # see run()
             interrupt(_interrupt_value(record, call))
             record = await client.get_tool_call(record.key)
@@ -290,8 +323,14 @@ class DexMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
     default effect class for tools with neither a policy nor MCP hints.
 
     The agent's own tools (if any) only tell the model what it may call; their code is not run
-    in the agent process. A call of a tool the agent does not have and the workers do not serve
+    in the agent process, except the tools named in ``local_tools`` (tools or names), which run
+    in the agent process as LangGraph runs them, without dex-tasks: a calculator, a tool
+    outside the catalog. A call of a tool the agent does not have and the workers do not serve
     is answered with an error ``ToolMessage``, as LangGraph answers an unknown tool name.
+
+    Each dex call is reported to LangChain's callbacks as a tool run (``on_tool_start`` /
+    ``on_tool_end``, so ``astream_events`` shows it), and one model response's parallel
+    calls are recorded in one transaction and sent with one publish (``call_tools``).
     """
 
     def __init__(
@@ -300,37 +339,70 @@ class DexMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         *,
         wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
         default_effect: EffectClass | str | None = None,
+        local_tools: Iterable[str | BaseTool] = (),
     ) -> None:
         super().__init__()
-        self._runner = _Runner(client, wait_timeout, default_effect)
+        self._runner = _Runner(client, wait_timeout, default_effect, local_tools)
 
     def wrap_tool_call(
         self,
         request: ToolCallRequest,
         handler: Callable[[ToolCallRequest], ToolMessage | Command[Any]],
     ) -> ToolMessage | Command[Any]:
-        """Run the call through dex-tasks (``handler``, the in-process tool, is not called)."""
+        """Run the call through dex-tasks (``handler``, the in-process tool, is called only for
+        ``local_tools``)."""
+        call = request.tool_call
+        if call["name"] in self._runner.local_tools:
+            return handler(request)
+        config = request.runtime.config
+        events = CallbackManager.configure(
+            inheritable_callbacks=config.get("callbacks"), inheritable_tags=config.get("tags"),
+            inheritable_metadata=config.get("metadata"))
+        run = events.on_tool_start({"name": call["name"]}, json.dumps(call["args"], default=str),
+                                   name=call["name"], inputs=call["args"],
+                                   tool_call_id=call.get("id"))
         try:
-            return self._runner.run(request.tool_call, request.state, request.runtime.config)
+            message = self._runner.run(call, request.state, config)
         except UnknownToolError as err:
             if request.tool is not None:
+                run.on_tool_error(err)
                 raise  # the agent has the tool but no worker serves it: a deployment error
-            return _unknown_tool_message(request.tool_call, err)
+            message = _unknown_tool_message(call, err)
+        except (Exception, KeyboardInterrupt) as err:  # as BaseTool.run reports it
+            run.on_tool_error(err)
+            raise
+        run.on_tool_end(message)
+        return message
 
     async def awrap_tool_call(
         self,
         request: ToolCallRequest,
         handler: Callable[[ToolCallRequest], Awaitable[ToolMessage | Command[Any]]],
     ) -> ToolMessage | Command[Any]:
-        """The async form of :meth:`wrap_tool_call`, for ``ainvoke`` and ``astream``."""
+        """The async form of :meth:`wrap_tool_call`, for ``ainvoke``, ``astream`` and
+        ``astream_events``."""
+        call = request.tool_call
+        if call["name"] in self._runner.local_tools:
+            return await handler(request)
+        config = request.runtime.config
+        events = AsyncCallbackManager.configure(
+            inheritable_callbacks=config.get("callbacks"), inheritable_tags=config.get("tags"),
+            inheritable_metadata=config.get("metadata"))
+        run = await events.on_tool_start(
+            {"name": call["name"]}, json.dumps(call["args"], default=str), name=call["name"],
+            inputs=call["args"], tool_call_id=call.get("id"))
         try:
-            return await self._runner.arun(
-                request.tool_call, request.state, request.runtime.config
-            )
+            message = await self._runner.arun(call, request.state, config)
         except UnknownToolError as err:
             if request.tool is not None:
+                await run.on_tool_error(err)
                 raise
-            return _unknown_tool_message(request.tool_call, err)
+            message = _unknown_tool_message(call, err)
+        except (Exception, KeyboardInterrupt) as err:
+            await run.on_tool_error(err)
+            raise
+        await run.on_tool_end(message)
+        return message
 
 
 def dex_tools(
