@@ -18,6 +18,12 @@ KEY_MAX = 512
 TOOL_NAME_MAX = 200
 INTERRUPT_ID_MAX = 64
 APPROVER_MAX = 200
+# How deep a tool's result may nest (lists and objects). Deeper JSON is refused before it is
+# written: Python's own JSON encoder, the store's bind processing and every reader recurse, and
+# a result some of them cannot take left its call running with no ending recorded.
+RESULT_DEPTH_MAX = 200
+
+_REPLACEMENT = "\ufffd"
 
 
 def text_problem(text: str) -> str | None:
@@ -34,6 +40,21 @@ def text_problem(text: str) -> str | None:
     except UnicodeEncodeError:
         return "contains a lone surrogate, which is not valid Unicode"
     return None
+
+
+def storable_text(text: str) -> str:
+    """``text`` with what the store cannot hold (:func:`text_problem`) replaced by U+FFFD.
+
+    For diagnostics the store records but nobody chose (a tool's error message, an event's
+    detail): a replacement character beats a write that fails and leaves its call stuck.
+    """
+    if "\x00" in text:
+        text = text.replace("\x00", _REPLACEMENT)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = "".join(_REPLACEMENT if 0xD800 <= ord(ch) <= 0xDFFF else ch for ch in text)
+    return text
 
 
 def check_text(field: str, value: object, *, error: type[DexError] = InvalidArgumentError) -> str:

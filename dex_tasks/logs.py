@@ -61,6 +61,34 @@ def redact(text: str) -> str:
     return _QUERY_SECRET.sub(rf"\g<head>{REDACTED}", text)
 
 
+class RedactFilter(logging.Filter):
+    """A filter that redacts a record's message and its string arguments in place.
+
+    For loggers whose records reach handlers we do not own: uvicorn's access log, formatted by
+    uvicorn's own ``AccessFormatter`` when uvicorn configures logging (``uvicorn --factory
+    ...``), carries the request path, and so a page link's ``?token=``, in ``record.args``.
+    The arguments keep their number and types, which that formatter unpacks.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = redact(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact(a) if isinstance(a, str) else a for a in record.args)
+        elif isinstance(record.args, Mapping):
+            record.args = {k: redact(v) if isinstance(v, str) else v
+                           for k, v in record.args.items()}
+        return True
+
+
+def redact_logger(name: str) -> None:
+    """Redact every record logged on logger ``name``, whatever handlers it reaches (the
+    filter is added once however often this is called)."""
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, RedactFilter) for f in logger.filters):
+        logger.addFilter(RedactFilter())
+
+
 def _clean(name: str, value: Any) -> Any:
     """A JSON-ready copy of an ``extra`` value, redacted."""
     if _SECRET_NAME.search(name):
@@ -149,6 +177,29 @@ _CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 def escape_controls(text: str) -> str:
     """``text`` with every control character written as an escape, so it stays on one line."""
     return _CONTROLS.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+# What a terminal or a page must never be handed raw from user data: the controls above (ESC
+# starts a terminal command: clear the screen, set the clipboard with OSC 52, retitle the
+# window) and the bidirectional formatting characters, which reorder what is shown
+# ("\u202e00001 :tnuoma" displays as "amount: 10000").
+_BIDI_AND_C1 = r"\x7f-\x9f\u2028\u2029\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
+_UNSAFE = re.compile(rf"[\x00-\x1f{_BIDI_AND_C1}]")
+# In serialized JSON a raw C0 character can only be the whitespace between tokens: json.dumps
+# escapes those in strings, not the others.
+_UNSAFE_IN_JSON = re.compile(rf"[{_BIDI_AND_C1}]")
+
+
+def visible(text: str) -> str:
+    """``text`` with every control and bidirectional formatting character written as a
+    visible escape (``\\x1b``, ``\\u202e``): what a terminal shows is what the text holds."""
+    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+def json_visible(text: str) -> str:
+    """Serialized JSON with those characters as ``\\uXXXX`` escapes: the same JSON value,
+    safe to print (``json.dumps(..., ensure_ascii=False)`` leaves C1 and bidi ones raw)."""
+    return _UNSAFE_IN_JSON.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def _text_value(value: Any) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, ParamSpec, TypeVar
@@ -289,6 +289,24 @@ def local_tools() -> dict[str, Tool[Any]]:
     return dict(_REGISTRY)
 
 
+def _nodes(value: Any, path: str) -> Iterator[tuple[Any, str, bool]]:
+    """Every value inside ``value`` (itself first) and every object key, as ``(node, path,
+    is_key)``, depth first. A loop with its own stack, not recursion, so a value nested
+    deeper than Python's recursion limit is walked like any other."""
+    stack: list[tuple[Any, str, bool]] = [(value, path, False)]
+    while stack:
+        node, where, is_key = stack.pop()
+        yield node, where, is_key
+        if is_key:
+            continue
+        if isinstance(node, dict):
+            for k, v in reversed(list(node.items())):
+                stack.append((v, f"{where}.{k}", False))
+                stack.append((k, f"a key of {where}", True))
+        elif isinstance(node, list | tuple):
+            stack.extend((v, f"{where}[{i}]", False) for i, v in reversed(list(enumerate(node))))
+
+
 def json_problem(value: Any, path: str = "arguments") -> str | None:
     """What keeps ``value`` from being plain JSON, naming where; None when it is JSON.
 
@@ -297,32 +315,24 @@ def json_problem(value: Any, path: str = "arguments") -> str | None:
     which other JSON readers refuse or read as null. A call's arguments are its identity, so
     anything that does not survive a round trip unchanged is refused instead.
     """
-    if value is None or isinstance(value, bool):
-        return None
-    if isinstance(value, str):
-        return string_problem(value, path)
-    if isinstance(value, int):
-        return None
-    if isinstance(value, float):
-        if value != value or value in (float("inf"), float("-inf")):
-            return f"{path} is {value!r}, which JSON cannot represent"
-        return None
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                return f"{path} has a key {k!r} of type {type(k).__name__}; JSON keys are strings"
-            problem = string_problem(k, f"a key of {path}") or json_problem(v, f"{path}.{k}")
-            if problem:
-                return problem
-        return None
-    if isinstance(value, list | tuple):
-        for i, v in enumerate(value):
-            problem = json_problem(v, f"{path}[{i}]")
-            if problem:
-                return problem
-        return None
-    return (f"{path} is a {type(value).__name__}, not a JSON value (str, number, bool, null, "
-            "list or object); convert it first")
+    for node, where, is_key in _nodes(value, path):
+        if is_key and not isinstance(node, str):
+            owner = where.removeprefix("a key of ")
+            return (f"{owner} has a key {node!r} of type {type(node).__name__}; "
+                    "JSON keys are strings")
+        if isinstance(node, str):
+            problem = string_problem(node, where)
+        elif node is None or isinstance(node, bool | int | dict | list | tuple):
+            problem = None
+        elif isinstance(node, float):
+            problem = (f"{where} is {node!r}, which JSON cannot represent"
+                       if node != node or node in (float("inf"), float("-inf")) else None)
+        else:
+            problem = (f"{where} is a {type(node).__name__}, not a JSON value (str, number, "
+                       "bool, null, list or object); convert it first")
+        if problem:
+            return problem
+    return None
 
 
 def string_problem(text: str, path: str) -> str | None:
@@ -337,19 +347,10 @@ def string_problem(text: str, path: str) -> str | None:
 
 def strings_problem(value: Any, path: str) -> str | None:
     """:func:`string_problem` of every string (and object key) inside ``value``."""
-    if isinstance(value, str):
-        return string_problem(value, path)
-    if isinstance(value, dict):
-        for k, v in value.items():
-            problem = (string_problem(k, f"a key of {path}") if isinstance(k, str) else None) \
-                or strings_problem(v, f"{path}.{k}")
-            if problem:
-                return problem
-    elif isinstance(value, list | tuple):
-        for i, v in enumerate(value):
-            problem = strings_problem(v, f"{path}[{i}]")
-            if problem:
-                return problem
+    for node, where, _ in _nodes(value, path):
+        problem = string_problem(node, where) if isinstance(node, str) else None
+        if problem:
+            return problem
     return None
 
 

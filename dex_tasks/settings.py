@@ -102,6 +102,16 @@ class DexSettings(BaseSettings):
         default=None,
         description="Tool modules (a.b,c) the worker imports when --tools is not given.",
     )
+    max_event_streams: int = Field(
+        default=1000, ge=1,
+        description="Event streams (GET /sessions/{id}/events) one API process keeps open at "
+        "once; a stream past it gets 429.",
+    )
+    max_event_streams_per_token: int = Field(
+        default=10, ge=1,
+        description="Event streams one token may keep open at once on one API process (a "
+        "person's tabs); a stream past it gets 429.",
+    )
     metrics_token: SecretStr | None = Field(
         default=None,
         description="Bearer token GET /metrics requires (give it to Prometheus); unset, "
@@ -126,6 +136,54 @@ class DexSettings(BaseSettings):
         default=1000, ge=1,
         description="Calls (or messages) `prune` deletes per transaction; workers wait for "
         "at most one batch.",
+    )
+    # -- bounded recovery under network partitions (docs/recovery.md) --------------------------
+    store_keepalive_idle_seconds: int = Field(
+        default=5, ge=1,
+        description="PostgreSQL connections: TCP keepalive probes start after this much idle "
+        "time (client side, and the server's toward the client).",
+    )
+    store_keepalive_interval_seconds: int = Field(
+        default=2, ge=1, description="PostgreSQL connections: seconds between keepalive probes.",
+    )
+    store_keepalive_count: int = Field(
+        default=3, ge=1,
+        description="PostgreSQL connections: unanswered keepalive probes before the "
+        "connection counts as dead.",
+    )
+    store_tcp_user_timeout_seconds: float = Field(
+        default=10.0, gt=0,
+        description="PostgreSQL connections: data unacknowledged this long ends the "
+        "connection (TCP_USER_TIMEOUT, both sides), so nothing hangs in retransmission.",
+    )
+    store_connect_timeout_seconds: int = Field(
+        default=10, ge=1,
+        description="PostgreSQL connections: how long a connect may wait for the server.",
+    )
+    store_idle_in_transaction_seconds: float = Field(
+        default=10.0, gt=0,
+        description="PostgreSQL sessions: the server ends one that sits this long inside a "
+        "transaction without running a statement, freeing the locks of a client that "
+        "vanished mid-transaction (idle_in_transaction_session_timeout, set per session).",
+    )
+    sweep_statement_timeout_seconds: float = Field(
+        default=20.0, gt=0,
+        description="Statement timeout of the sweeps' and the lease renewals' transactions.",
+    )
+    sweep_lock_timeout_seconds: float = Field(
+        default=2.0, gt=0,
+        description="Lock timeout (SQLite: busy timeout) of the sweeps' and the lease "
+        "renewals' transactions: they fail fast and try again instead of queueing.",
+    )
+    redis_health_check_seconds: int = Field(
+        default=5, ge=0,
+        description="A pooled Redis connection idle this long is checked with PING before "
+        "use and replaced if dead (0: never).",
+    )
+    claim_retry_seconds: float = Field(
+        default=10.0, ge=0,
+        description="How long a worker keeps retrying the Redis claim of a single-attempt "
+        "call on fresh connections before it leaves the call to the republisher.",
     )
     wait_poll_seconds: float = Field(
         default=1.0, gt=0,

@@ -120,7 +120,7 @@ def test_events_and_flower_show_the_true_state_of_each_call(
 ) -> None:
     dump_path, port = monitors
     # Given a worker, beat sending sweeps every half second, and both monitors listening
-    worker = start_worker(concurrency=2, tools=TOOLS)
+    worker = start_worker(concurrency=2, tools=TOOLS, events=True)
     beat = start_process(["beat"], env, tmp_path / "beat.log")
     try:
         node = wait_until(lambda: re.search(r"^(dex-\d+@\S+) \[.*\] heartbeat",
@@ -218,6 +218,33 @@ def _flower_alive(port: int, node: str) -> bool:
         return bool(_flower_get(port, "/api/workers?status=true").get(node))
     except (urllib.error.URLError, ConnectionError, TimeoutError):
         return False
+
+
+def test_task_events_are_off_unless_asked_for(
+    client: DexClient, start_worker: StartWorker, env: dict[str, str], tmp_path: Path,
+) -> None:
+    # Given `celery events --dump` listening and a worker started without -E
+    dump_path = tmp_path / "events.log"
+    with open(dump_path, "wb") as out:
+        dump = subprocess.Popen(_celery("events", "--dump"), cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        quiet = start_worker(concurrency=1)
+        # When a call runs to the end on it
+        key = _call(client, "quiet", "lookup_order", order_id="1001")
+        assert client.wait(key, timeout=30).status is CallStatus.SUCCEEDED
+        quiet.discard()
+        # Then a worker started with -E is seen by the dump (so it was listening) ...
+        loud = start_worker(concurrency=1, events=True)
+        wait_until(lambda: re.search(rf"dex-{loud.pid}@\S+ \[.*\] heartbeat",
+                                     dump_path.read_text()), 30, "the -E worker's heartbeat")
+        # ... and the first worker sent no event at all: no task events, no heartbeats
+        text = dump_path.read_text()
+        assert f"dex-{quiet.pid}@" not in text
+        assert not re.search(r"\] task ", text), text[-2000:]
+    finally:
+        dump.kill()
+        dump.wait(10)
 
 
 def test_celery_inspect_answers_with_the_dex_settings(

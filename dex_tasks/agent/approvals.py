@@ -24,11 +24,12 @@ import json
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import or_, select, update
+from sqlalchemy import and_, or_, select, update
 from sqlalchemy.engine import Connection, CursorResult
 
 from dex_tasks.broker.celery_app import publish
@@ -41,8 +42,8 @@ from dex_tasks.limits import (
     check_text,
 )
 from dex_tasks.policy import EffectClass
-from dex_tasks.states import CallStatus
-from dex_tasks.store import CALLS, INTERRUPTS, Store
+from dex_tasks.states import TERMINAL, CallStatus
+from dex_tasks.store import CALLS, INTERRUPTS, MESSAGES, Store
 from dex_tasks.store.deadlines import (
     APPROVAL_REJECTED,
     APPROVED,
@@ -156,11 +157,11 @@ def resolve_interrupt(
                                           "interrupt_id": interrupt_id, "decision": decision,
                                           "approver": approver})
     if approved:
-        _publish_approved(store, app, key)
+        _publish_approved(store, app, key, now)
     return True
 
 
-def _publish_approved(store: Store, app: Celery, key: str) -> None:
+def _publish_approved(store: Store, app: Celery, key: str, approved_at: float) -> None:
     call = store.get_call(key)
     if call is None or call.status != CallStatus.QUEUED.value:
         return
@@ -169,6 +170,18 @@ def _publish_approved(store: Store, app: Celery, key: str) -> None:
     except Exception:  # noqa: BLE001 - it stays queued; the republisher sweep sends it
         log.warning("publish after approval failed; left for the republisher",
                     extra={"action": "approval_publish_failed", "key": key})
+        # Never published, and said so: the republisher sends a call with no publish at its
+        # next sweep once Redis answers, where the published_at of the approval would have
+        # kept it waiting a whole window (5 minutes by default). Guarded on that value, so a
+        # republish that landed meanwhile is not undone.
+        try:
+            with store.write() as conn:
+                conn.execute(update(CALLS).where(
+                    CALLS.c.key == key, CALLS.c.status == CallStatus.QUEUED.value,
+                    CALLS.c.published_at == approved_at).values(published_at=None))
+        except Exception:  # noqa: BLE001 - the republisher still sends it, a window later
+            log.warning("could not mark an approved call unpublished",
+                        extra={"action": "approval_publish_failed", "key": key})
 
 
 def _rows(result: CursorResult[Any]) -> list[dict[str, Any]]:
@@ -202,42 +215,100 @@ def _decided(interrupt: Mapping[str, Any], call: Mapping[str, Any]) -> Decision:
     )
 
 
-def session_snapshot(store: Store, session_id: str, now: float | None = None) -> AgentSnapshot:
-    """The session as one consistent read: calls, transcript, pending and decided approvals.
+@dataclass(frozen=True)
+class SnapshotWindow:
+    """Which part of a session :func:`session_snapshot` reads: at most ``limit`` of each list.
+
+    ``messages_after`` / ``messages_before``: only messages with an id in between (with
+    ``messages_before``, the newest ``limit`` of them, returned oldest first: the transcript's
+    tail). ``calls_after``: only calls after that call (its key) in the ``(created_at, key)``
+    order; ``open_calls``: only calls that have not ended. Pending approvals are the oldest
+    ``limit``, decided ones the newest ``limit``.
+    """
+
+    limit: int
+    messages_after: int = 0
+    messages_before: int | None = None
+    calls_after: str | None = None
+    open_calls: bool = False
+
+
+def _calls_query(session_id: str, window: SnapshotWindow | None, conn: Connection) -> Any:
+    query = select(CALLS).where(CALLS.c.session_id == session_id)
+    if window is None:
+        return query.order_by(CALLS.c.created_at, CALLS.c.key)
+    if window.calls_after is not None:
+        after = conn.execute(select(CALLS.c.created_at).where(
+            CALLS.c.session_id == session_id, CALLS.c.key == window.calls_after)).first()
+        if after is None:
+            raise InvalidArgumentError(f"calls_after must be the key of a call of session "
+                                       f"{session_id!r}, got {window.calls_after!r}")
+        query = query.where(or_(CALLS.c.created_at > after.created_at,
+                                and_(CALLS.c.created_at == after.created_at,
+                                     CALLS.c.key > window.calls_after)))
+    if window.open_calls:
+        query = query.where(CALLS.c.status.not_in([s.value for s in TERMINAL]))
+    return query.order_by(CALLS.c.created_at, CALLS.c.key).limit(window.limit)
+
+
+def _messages(conn: Connection, session_id: str,
+              window: SnapshotWindow | None) -> list[SessionMessage]:
+    if window is None:
+        return session_messages(conn, session_id)
+    query = select(MESSAGES).where(MESSAGES.c.session_id == session_id,
+                                   MESSAGES.c.id > window.messages_after)
+    if window.messages_before is None:
+        query = query.order_by(MESSAGES.c.id).limit(window.limit)
+        rows = list(conn.execute(query).mappings())
+    else:
+        query = (query.where(MESSAGES.c.id < window.messages_before)
+                 .order_by(MESSAGES.c.id.desc()).limit(window.limit))
+        rows = list(conn.execute(query).mappings())[::-1]
+    return [SessionMessage.from_row(dict(row)) for row in rows]
+
+
+def session_snapshot(store: Store, session_id: str, now: float | None = None,
+                     window: SnapshotWindow | None = None) -> AgentSnapshot:
+    """The session as one consistent read: calls, transcript, pending and decided approvals
+    (all of them; only ``window``'s part when given, which is what the HTTP API serves).
 
     An undecided interrupt whose deadline has passed is in neither list: it can no longer be
     approved, and the next deadline sweep moves it to ``decided`` as expired.
     """
     now = time.time() if now is None else now
+    limit = None if window is None else window.limit
+    joined = select(INTERRUPTS, CALLS.c.tool, CALLS.c.arguments, CALLS.c.effect,
+                    CALLS.c.status).join(CALLS, CALLS.c.key == INTERRUPTS.c.key)
+    open_query = (joined.where(INTERRUPTS.c.session_id == session_id,
+                               INTERRUPTS.c.decision.is_(None),
+                               or_(INTERRUPTS.c.deadline_at.is_(None),
+                                   INTERRUPTS.c.deadline_at > now))
+                  .order_by(INTERRUPTS.c.created_at, INTERRUPTS.c.interrupt_id).limit(limit))
+    decided_query = (joined.where(INTERRUPTS.c.session_id == session_id,
+                                  INTERRUPTS.c.decision.is_not(None))
+                     .order_by(INTERRUPTS.c.decided_at.desc(), INTERRUPTS.c.interrupt_id)
+                     .limit(limit))
 
     def read(conn: Connection) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
-                                        list[SessionMessage]]:
-        calls = _rows(conn.execute(
-            select(CALLS).where(CALLS.c.session_id == session_id)
-            .order_by(CALLS.c.created_at, CALLS.c.key)
-        ))
-        interrupts = _rows(conn.execute(
-            select(INTERRUPTS).where(INTERRUPTS.c.session_id == session_id)
-            .order_by(INTERRUPTS.c.created_at, INTERRUPTS.c.interrupt_id)
-        ))
-        return calls, interrupts, session_messages(conn, session_id)
+                                        list[dict[str, Any]], list[SessionMessage]]:
+        if store.is_postgres:
+            # One snapshot for every statement below: under READ COMMITTED a decision
+            # committed between them showed the call awaiting approval in one list and
+            # decided in another. Read-only REPEATABLE READ never fails to serialise.
+            conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
+        calls = _rows(conn.execute(_calls_query(session_id, window, conn)))
+        pending = _rows(conn.execute(open_query))
+        decided = _rows(conn.execute(decided_query))
+        return calls, pending, decided, _messages(conn, session_id, window)
 
     # Retried across a lost connection: agents read their session between every turn.
-    calls, interrupts, messages = store.reading(read)
-    by_key = {c["key"]: c for c in calls}
-    pending = [_pending(i, by_key[i["key"]]) for i in interrupts
-               if i["key"] in by_key and _open(i, now)]
-    decided = sorted(
-        (_decided(i, by_key[i["key"]]) for i in interrupts
-         if i["key"] in by_key and i["decision"] is not None),
-        key=lambda d: d.decided_at,
-    )
+    calls, pending, decided, messages = store.reading(read)
     return AgentSnapshot(
         session_id=session_id,
         tool_calls=[ToolCallRecord.from_row(ToolCallRow.model_validate(dict(c))) for c in calls],
         messages=messages,
-        pending_interrupts=pending,
-        decided=decided,
+        pending_interrupts=[_pending(i, i) for i in pending],
+        decided=[_decided(i, i) for i in reversed(decided)],
     )
 
 

@@ -19,7 +19,7 @@ import functools
 from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from dex_tasks.agent.client import FAST_POLL_FIRST, DexClient, next_pause
+from dex_tasks.agent.client import DexClient, WaitPauses
 from dex_tasks.settings import DexSettings
 from dex_tasks.store.records import ToolCallRecord
 
@@ -107,7 +107,7 @@ class AsyncDexClient:
         ``wait_poll_seconds`` regardless, and every 5-200 ms while Redis cannot be reached.
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        pauses = WaitPauses(key, timeout, self.settings.wait_poll_seconds)
         record = await self.get_tool_call(key)
         if record.terminal:
             return record
@@ -116,17 +116,11 @@ class AsyncDexClient:
         def wake() -> None:  # from the watcher's thread
             loop.call_soon_threadsafe(woken.set)
 
-        fast = FAST_POLL_FIRST
         with self.sync.watcher.watch(key, on_wake=wake) as watch:
             while True:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise TimeoutError(
-                        f"call {key!r} is still {record.status.value} after {timeout}s"
-                    )
-                pause, fast = next_pause(watch.live, fast, self.settings.wait_poll_seconds)
+                pause = pauses.next(record, watch.live)
                 try:
-                    await asyncio.wait_for(woken.wait(), min(pause, remaining))
+                    await asyncio.wait_for(woken.wait(), pause)
                 except TimeoutError:
                     pass
                 woken.clear()

@@ -397,20 +397,13 @@ class DexClient:
         and every ``wait_poll_seconds`` regardless, in case a notification was lost; while
         Redis cannot be reached it is read every 5 ms, doubling up to 200 ms.
         """
-        deadline = time.monotonic() + timeout
+        pauses = WaitPauses(key, timeout, self.settings.wait_poll_seconds)
         record = self.get_tool_call(key)
         if record.terminal:
             return record
-        fast = FAST_POLL_FIRST
         with self.watcher.watch(key) as watch:
             while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(
-                        f"call {key!r} is still {record.status.value} after {timeout}s"
-                    )
-                pause, fast = next_pause(watch.live, fast, self.settings.wait_poll_seconds)
-                watch.wait(min(pause, remaining))
+                watch.wait(pauses.next(record, watch.live))
                 record = self.get_tool_call(key)
                 if record.terminal:
                     return record
@@ -542,13 +535,29 @@ class DexClient:
 
 
 
-def next_pause(live: bool, fast: float, poll_seconds: float) -> tuple[float, float]:
-    """How long a waiter sleeps before it reads the store again (unless woken), and the fast
-    pause after that: ``poll_seconds`` while notifications can arrive, else 5 ms doubling up
-    to 200 ms."""
-    if live:
-        return poll_seconds, FAST_POLL_FIRST
-    return fast, min(fast * 2, FAST_POLL_MAX)
+class WaitPauses:
+    """How long a waiter for call ``key`` sleeps between reads of the store (unless woken),
+    until ``timeout``: ``poll_seconds`` while notifications can arrive, else 5 ms doubling up
+    to 200 ms. Shared by both clients' ``wait``, which differ only in how they sleep."""
+
+    def __init__(self, key: str, timeout: float, poll_seconds: float) -> None:
+        self.key = key
+        self.timeout = timeout
+        self.poll_seconds = poll_seconds
+        self.deadline = time.monotonic() + timeout
+        self.fast = FAST_POLL_FIRST
+
+    def next(self, record: ToolCallRecord, live: bool) -> float:
+        """The next pause; ``TimeoutError`` (naming the call's status) once time is up."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(
+                f"call {self.key!r} is still {record.status.value} after {self.timeout}s")
+        if live:
+            pause, self.fast = self.poll_seconds, FAST_POLL_FIRST
+        else:
+            pause, self.fast = self.fast, min(self.fast * 2, FAST_POLL_MAX)
+        return min(pause, remaining)
 
 
 def _inserted(call: NewCall) -> ToolCallRow:

@@ -5,7 +5,7 @@ Routes (OpenAPI at ``/docs`` and ``/openapi.json``)::
     POST /interrupts/resolve                 approve or reject one pending call (the seeds' body)
     GET  /sessions                           sessions with approvals waiting (operator token)
     GET  /sessions/{session_id}              the session page (HTML; the token may be ?token=)
-    GET  /sessions/{session_id}/snapshot     the session: transcript, calls, interrupts, decisions
+    GET  /sessions/{session_id}/snapshot     the session, paged: transcript, calls, interrupts, ...
     GET  /sessions/{session_id}/events       its transitions as Server-Sent Events
     GET  /sessions/{session_id}/approvals    the old page address: redirects, keeping ?token=
     GET  /healthz                            liveness and store reachability
@@ -53,6 +53,7 @@ from fastapi.staticfiles import StaticFiles
 from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 
+from dex_tasks.agent.approvals import SnapshotWindow, session_snapshot
 from dex_tasks.agent.client import DexClient
 from dex_tasks.api.auth import (
     authenticate,
@@ -63,7 +64,14 @@ from dex_tasks.api.auth import (
     pick_token,
     query_token_scheme,
 )
-from dex_tasks.api.events import StreamCounter, event_stream, parse_cursor
+from dex_tasks.api.events import (
+    MAX_CURSOR,
+    StreamHub,
+    StreamLimitError,
+    event_stream,
+    latest_event_id,
+    parse_cursor,
+)
 from dex_tasks.api.inbox import DEFAULT_LIMIT, MAX_LIMIT, pending_sessions, session_page_path
 from dex_tasks.api.limits import MAX_BODY_BYTES, BodyLimit, BodyTooLargeError, too_large_response
 from dex_tasks.api.openapi import (
@@ -83,13 +91,15 @@ from dex_tasks.api.schemas import (
     HealthResponse,
     PendingSessions,
     ResolveResponse,
+    SnapshotPage,
     parse_resolve_body,
     validation_error_body,
 )
 from dex_tasks.broker.metrics import metrics_redis, render_metrics
 from dex_tasks.errors import InvalidArgumentError, StoreUnavailableError
+from dex_tasks.limits import KEY_MAX
+from dex_tasks.logs import redact_logger
 from dex_tasks.settings import DexSettings
-from dex_tasks.store.records import AgentSnapshot
 from dex_tasks.tokens import OPERATE, VIEW, TokenClaims
 
 log = logging.getLogger(__name__)
@@ -98,14 +108,16 @@ SessionId = Annotated[str, Path(min_length=1, max_length=200, description="The s
 Bearer = Annotated[HTTPAuthorizationCredentials | None, Security(bearer_scheme)]
 QueryToken = Annotated[str | None, Security(query_token_scheme)]
 
+DEFAULT_SNAPSHOT_LIMIT = 200
+MAX_SNAPSHOT_LIMIT = 1000
+
 @dataclass
 class ApiState:
     """What the routes share: the app's one client, the signing key, stream tuning, pages."""
 
     client: DexClient
     secret: str
-    streams: StreamCounter
-    event_poll_seconds: float
+    streams: StreamHub
     heartbeat_seconds: float
     pages: Pages
 
@@ -124,9 +136,11 @@ def view_claims(request: Request, session_id: SessionId, credentials: Bearer) ->
 
 
 def link_view_claims(request: Request, session_id: SessionId, credentials: Bearer,
-                     token: QueryToken = None) -> TokenClaims:
-    """A reader by header or ``?token=``: only for what a browser opens without headers."""
-    return check_token(_state(request).secret, pick_token(credentials, token), session_id, VIEW)
+                     token: QueryToken = None) -> tuple[TokenClaims, str]:
+    """A reader by header or ``?token=`` (only for what a browser opens without headers),
+    and the token they presented."""
+    presented = pick_token(credentials, token)
+    return check_token(_state(request).secret, presented, session_id, VIEW), presented
 
 
 class PageRefusedError(Exception):
@@ -268,19 +282,49 @@ def session_page(
                         headers=PAGE_HEADERS)
 
 
-@router.get("/sessions/{session_id}/snapshot", response_model=AgentSnapshot,
+@router.get("/sessions/{session_id}/snapshot", response_model=SnapshotPage,
             responses=SESSION_RESPONSES, tags=["sessions"])
 def snapshot(
     request: Request,
     session_id: SessionId,
     _claims: Annotated[TokenClaims, Depends(view_claims)],
+    limit: Annotated[int, Query(ge=1, le=MAX_SNAPSHOT_LIMIT, description=(
+        "At most this many items in each list."))] = DEFAULT_SNAPSHOT_LIMIT,
+    messages_after: Annotated[int, Query(ge=0, le=MAX_CURSOR, description=(
+        "Only messages with a larger id (the last one you have), oldest first."))] = 0,
+    messages_before: Annotated[int | None, Query(ge=1, le=MAX_CURSOR, description=(
+        "Only messages with a smaller id: the newest `limit` of them, returned oldest first "
+        f"(`{MAX_CURSOR}` for the transcript's tail)."))] = None,
+    calls_after: Annotated[str | None, Query(min_length=1, max_length=KEY_MAX, description=(
+        "Only calls after this one (its key) in the calls' order."))] = None,
+    open_calls: Annotated[bool, Query(description=(
+        "Only calls that have not ended."))] = False,
 ) -> JSONResponse:
-    """The session as it stands: its transcript, tool calls, pending interrupts and decisions.
+    """A bounded part of the session: its transcript, tool calls, pending interrupts and
+    decisions, at most ``limit`` (default 200, at most 1000) of each, read in one consistent
+    transaction. Page on with ``messages_after`` / ``calls_after``.
 
     ``X-Server-Time`` (epoch seconds) lets the page count deadlines down on the server's clock
     rather than the browser's."""
-    snap = _state(request).client.get_agent_snapshot(session_id)
-    return JSONResponse(snap.model_dump(mode="json"),
+    store = _state(request).client.store
+    # Read before the snapshot: an event stored in between is sent again, never lost.
+    cursor = latest_event_id(store, session_id)
+    # One more of each than asked: tells whether there is more.
+    window = SnapshotWindow(limit=limit + 1, messages_after=messages_after,
+                            messages_before=messages_before, calls_after=calls_after,
+                            open_calls=open_calls)
+    snap = session_snapshot(store, session_id, window=window)
+    tail = messages_before is not None
+    messages = snap.messages[-limit:] if tail else snap.messages[:limit]
+    page = SnapshotPage(
+        session_id=session_id, limit=limit, event_cursor=cursor,
+        messages=messages, messages_more=len(snap.messages) > limit,
+        tool_calls=snap.tool_calls[:limit], calls_more=len(snap.tool_calls) > limit,
+        pending_interrupts=snap.pending_interrupts[:limit],
+        pending_more=len(snap.pending_interrupts) > limit,
+        decided=snap.decided[-limit:], decided_more=len(snap.decided) > limit,
+    )
+    return JSONResponse(page.model_dump(mode="json"),
                         headers={"X-Server-Time": f"{time.time():.3f}",
                                  "Cache-Control": "no-store"})
 
@@ -291,6 +335,11 @@ def snapshot(
                400: {"description": "A bad cursor: `after` or `Last-Event-ID` not an integer "
                                     "from 0 to 2^63-1 (`error` names which).",
                      "model": ErrorResponse},
+               429: {"description": "Too many streams open: on this server "
+                                    "(DEX_MAX_EVENT_STREAMS) or with this token "
+                                    "(DEX_MAX_EVENT_STREAMS_PER_TOKEN); `error` names which. "
+                                    "See Retry-After.",
+                     "model": ErrorResponse},
                200: {"description": "Server-Sent Events: `id:` the cursor, `event:` the event "
                                     "name, `data:` the event as JSON.",
                      "content": {"text/event-stream": {}}}},
@@ -300,7 +349,7 @@ def snapshot(
 async def events(
     request: Request,
     session_id: SessionId,
-    _claims: Annotated[TokenClaims, Depends(link_view_claims)],
+    reader: Annotated[tuple[TokenClaims, str], Depends(link_view_claims)],
     after: Annotated[str | None, Query(
         description="Send events after this cursor (an integer from 0 to 2^63-1).",
     )] = None,
@@ -312,16 +361,24 @@ async def events(
     """The session's transitions, live, as Server-Sent Events; resumable by cursor.
 
     Accepts ``?token=`` because the browser's EventSource cannot send headers. Cursors are
-    checked before the stream starts, so a bad one gets 400, never a stream that aborts."""
+    checked before the stream starts, so a bad one gets 400, never a stream that aborts. A
+    stream past the server's or the token's limit gets 429 naming the limit; a stream ends
+    (after a ``token_expired`` event) when its token expires."""
+    claims, token = reader
     try:
         start = max(parse_cursor("after", after), parse_cursor("Last-Event-ID", last_event_id))
     except ValueError as err:
         return JSONResponse({"error": str(err)}, status_code=400)
     state = _state(request)
+    try:
+        slot = state.streams.reserve(token)
+    except StreamLimitError as err:
+        log.warning("event stream refused", extra={"action": "event_stream_refused",
+                                                   "session_id": session_id, "error": str(err)})
+        return JSONResponse({"error": str(err)}, status_code=429, headers={"Retry-After": "5"})
     return StreamingResponse(
-        event_stream(request, state.client, session_id, start, counter=state.streams,
-                     poll_seconds=state.event_poll_seconds,
-                     heartbeat_seconds=state.heartbeat_seconds),
+        event_stream(request, state.client, session_id, start, slot=slot,
+                     expires_at=claims.expires_at, heartbeat_seconds=state.heartbeat_seconds),
         media_type="text/event-stream",
         # no-transform / X-Accel-Buffering: proxies must pass each event on at once.
         headers={"Cache-Control": "no-store, no-transform", "X-Accel-Buffering": "no"},
@@ -403,11 +460,17 @@ def create_api(
 ) -> FastAPI:
     """The HTTP API for ``settings``'s store, broker and signing key.
 
-    ``event_poll_seconds`` is how often an open event stream reads the store for new events;
-    ``heartbeat_seconds`` how long a stream may stay silent before a keep-alive comment;
-    ``max_body_bytes`` the largest request body any route accepts.
+    ``event_poll_seconds`` is how often the process looks for sessions with new events (one
+    store read for all its open streams, see ``dex_tasks.api.events``); ``heartbeat_seconds``
+    how long a stream may stay silent before a keep-alive comment (and how often an idle
+    stream reads its session by itself); ``max_body_bytes`` the largest request body any route
+    accepts. The stream limits are ``settings.max_event_streams`` and
+    ``settings.max_event_streams_per_token``.
     """
     secret = settings.signing_key()  # first: no API at all without a real signing key
+    # Page links carry ?token=: uvicorn's access log must never show it, however the app is
+    # served (`dex-tasks api`, or `uvicorn --factory ...` with uvicorn's own log formatters).
+    redact_logger("uvicorn.access")
     client = DexClient(settings)
 
     @asynccontextmanager
@@ -424,8 +487,9 @@ def create_api(
     api.state.dex = ApiState(
         client=client,
         secret=secret,
-        streams=StreamCounter(),
-        event_poll_seconds=event_poll_seconds,
+        streams=StreamHub(client.store, poll_seconds=event_poll_seconds,
+                          max_streams=settings.max_event_streams,
+                          max_per_token=settings.max_event_streams_per_token),
         heartbeat_seconds=heartbeat_seconds,
         pages=Pages(),
     )
@@ -451,13 +515,13 @@ def serve(settings: DexSettings, host: str = "127.0.0.1", port: int = 8000,
     import uvicorn
 
     api = create_api(settings)
-    streams: StreamCounter = api.state.dex.streams
+    streams: StreamHub = api.state.dex.streams
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             # Open event streams never end by themselves: end them now so the shutdown does
             # not wait for its timeout (kept as a backstop).
-            streams.closing = True
+            streams.shut_down()
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(api, host=host, port=port, log_config=None, log_level=log_level,

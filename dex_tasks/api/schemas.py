@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
 
 from dex_tasks.limits import text_problem
+from dex_tasks.store.records import AgentSnapshot
 
 MAX_SESSION_ID_LENGTH = 200
 MAX_INTERRUPT_ID_LENGTH = 64
@@ -208,3 +209,23 @@ def validation_error_body(exc: RequestValidationError) -> dict[str, Any]:
         items.append({"loc": loc, "msg": msg, "type": str(error.get("type", "invalid"))})
         parts.append(f"{where or 'request'}: {msg}")
     return {"error": "invalid request: " + "; ".join(parts), "detail": items}
+
+
+class SnapshotPage(AgentSnapshot):
+    """A bounded part of a session (``GET /sessions/{id}/snapshot``): at most ``limit`` items
+    in each list. Page on with the cursors: the last message's ``id`` as ``messages_after``,
+    the last call's ``key`` as ``calls_after``; the ``*_more`` fields say whether there is
+    more to read in that direction."""
+
+    limit: int = Field(description="The most items any list of this page holds.")
+    messages_more: bool = Field(
+        description="More messages after this page (before it, with `messages_before`).")
+    calls_more: bool = Field(description="More calls after this page's last one.")
+    pending_more: bool = Field(description="More approvals wait than `pending_interrupts` "
+                                           "holds (the oldest are listed).")
+    decided_more: bool = Field(description="Older decisions than `decided` holds (the newest "
+                                           "are listed).")
+    event_cursor: int = Field(
+        description="The session's latest event id before this was read: "
+                    "`/events?after=<event_cursor>` follows the session from here on, "
+                    "missing nothing.")

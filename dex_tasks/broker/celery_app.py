@@ -22,7 +22,7 @@ from typing import Any
 from celery import Celery
 from kombu.entity import Exchange, Queue
 
-from dex_tasks.broker.redis_clients import broker_options
+from dex_tasks.broker.redis_clients import broker_options, keepalive_options
 from dex_tasks.broker.routing import queue_for
 from dex_tasks.policy import EffectClass
 from dex_tasks.settings import DexSettings
@@ -49,6 +49,7 @@ def create_app(settings: DexSettings, *, publisher: bool = False) -> Celery:
         "socket_connect_timeout": settings.publish_timeout_seconds,
         "socket_timeout": max(5.0, settings.publish_timeout_seconds),
         "socket_keepalive": True,
+        "socket_keepalive_options": keepalive_options(),
         "health_check_interval": 10,
         **broker.pop("broker_transport_options"),
     }
@@ -84,10 +85,12 @@ def create_app(settings: DexSettings, *, publisher: bool = False) -> Celery:
         broker_connection_timeout=settings.publish_timeout_seconds,
         broker_pool_limit=10,
         worker_hijack_root_logger=False,
-        # Task events from the workers (received, started, succeeded, failed, retried), so
-        # that Flower and `celery events` work with no extra flag. The sweep task opts out
-        # (main_process.register_tasks), so beat's sweeps do not crowd their task lists.
-        worker_send_task_events=True,
+        # No task events unless asked (`dex-tasks worker -E`), as in plain Celery: each event
+        # is a Redis publish per state change, several per call, which a deployment without
+        # a monitor pays for nothing. Flower turns them on by itself (its enable_events
+        # broadcast); `celery events` needs the workers started with -E. The sweep task opts
+        # out even then (main_process.register_tasks), so beat's sweeps do not crowd the lists.
+        worker_send_task_events=False,
         # No task-sent events: Celery puts the registered name in them, not the shadow name
         # that says which tool a message runs, and its event state lets a sent event that
         # arrives after the worker's events (always for a retry's message, which the child

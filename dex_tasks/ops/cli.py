@@ -18,7 +18,8 @@ from rich.console import Console
 
 from dex_tasks.broker.celery_app import create_app
 from dex_tasks.errors import ConfigurationError, DexError, StoreUnavailableError
-from dex_tasks.logs import FORMATS, setup_process_logging
+from dex_tasks.logs import FORMATS, setup_process_logging, visible
+from dex_tasks.ops.cli_render import print_json, user_markup
 from dex_tasks.registry import local_tools
 from dex_tasks.settings import DexSettings, settings_help
 from dex_tasks.store import Store, catalog
@@ -144,6 +145,11 @@ def worker(
     ),
     loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
     log_format: str = LOG_FORMAT_OPTION,
+    events: bool = typer.Option(
+        False, "-E", "--events",
+        help="Send Celery task events (for `celery events` and Flower's task lists); off by "
+             "default, as in Celery, since each costs a Redis publish.",
+    ),
 ) -> None:
     """Run a Celery worker for the tools in MODULE[,MODULE], consuming their queues."""
     from dex_tasks.broker.routing import ServeSelectionError, select_tools
@@ -172,6 +178,9 @@ def worker(
     from dex_tasks.worker.main_process import worker_app
 
     celery = worker_app(settings, served, pool=pool, concurrency=concurrency)
+    # Set on the app (not only Celery's -E) so the task bodies' own events (task-ignored, see
+    # task_states.ignored) follow the same switch.
+    celery.conf.worker_send_task_events = events
     celery.worker_main([
         # JSON logs: no banner, so every line a collector reads is one JSON object.
         *(["--quiet"] if log_format == "json" else []),
@@ -235,7 +244,7 @@ def api(
         serve(settings, host=host, port=port, log_level=loglevel.lower())
     except ConfigurationError as err:
         # Refuse to serve rather than sign with a guessable key; say what to set.
-        typer.echo(f"error: {err}", err=True)
+        typer.echo(f"error: {visible(str(err))}", err=True)
         raise typer.Exit(2) from None
 
 
@@ -274,7 +283,7 @@ def sweep(
     import_tool_modules(tool_modules(tools, settings, required=False))
     rt = runtime(create_app(settings))
     rt.store.create_all()
-    console.print_json(json.dumps(run_all(rt)))
+    print_json(console, json.dumps(run_all(rt)))
 
 
 @app.command("calls")
@@ -289,7 +298,7 @@ def list_calls(
     client = DexClient(DexSettings())
     snapshot = client.get_agent_snapshot(session_id)
     if as_json:
-        console.print_json(snapshot.model_dump_json())
+        print_json(console, snapshot.model_dump_json())
         return
     console.print(calls_view(snapshot.tool_calls, console), highlight=False)
 
@@ -304,7 +313,7 @@ def show(key: str = typer.Argument(..., help="The call's idempotency key.")) -> 
     record = client.get_tool_call(key)
     events = [CallEvent.from_row(e).model_dump(mode="json")
               for e in client.store.events_for_call(key)]
-    console.print_json(json.dumps({"call": record.model_dump(mode="json"), "events": events}))
+    print_json(console, json.dumps({"call": record.model_dump(mode="json"), "events": events}))
 
 
 @app.command()
@@ -340,7 +349,7 @@ def token(
     try:
         secret = settings.signing_key()
     except DexError as err:
-        typer.echo(f"error: {err}", err=True)
+        typer.echo(f"error: {visible(str(err))}", err=True)
         raise typer.Exit(2) from None
     try:
         typer.echo(issue_token(secret, session_id, ttl, approver, permissions=(permission,),
@@ -375,7 +384,7 @@ def approvals_list(
     store.create_all()
     pending = list_pending(store, session_id)
     if as_json:
-        console.print_json(json.dumps([p.model_dump(mode="json") for p in pending]))
+        print_json(console, json.dumps([p.model_dump(mode="json") for p in pending]))
         return
     from dex_tasks.ops.cli_render import approvals_view
 
@@ -396,8 +405,9 @@ def _decide(session_id: str, interrupt_id: str, approved: bool, message: str | N
             row = get_interrupt(client.store, interrupt_id)
             call = client.get_tool_call(row.key) if row else None
             status = call.status.value if call else "?"
-            typer.echo(f"decided: {'approved' if approved else 'rejected'} interrupt "
-                       f"{interrupt_id} as {who}; call {call.key if call else '?'} is {status}")
+            typer.echo(visible(f"decided: {'approved' if approved else 'rejected'} interrupt "
+                               f"{interrupt_id} as {who}; call {call.key if call else '?'} is "
+                               f"{status}"))
             return
         row = get_interrupt(client.store, interrupt_id)
         if row is None or row.session_id != session_id:
@@ -409,7 +419,7 @@ def _decide(session_id: str, interrupt_id: str, approved: bool, message: str | N
             why = "its approval deadline has passed"
         else:
             why = "it could not be decided (see the logs)"
-        typer.echo(f"not decided: {why}", err=True)
+        typer.echo(visible(f"not decided: {why}"), err=True)
         raise typer.Exit(1)
 
 
@@ -459,18 +469,21 @@ def reconcile(
     with DexClient(settings) as client:
         result = reconcile_with_reconcilers(client.store, session_id)
     for report in result.reported:
-        console.print(f"[green]reported[/green] {report.key}: {report.text}", highlight=False)
+        console.print(f"[green]reported[/green] {user_markup(report.key)}: "
+                      f"{user_markup(report.text)}", highlight=False)
     for key in result.unanswered:
-        console.print(f"[yellow]not known yet[/yellow] {key}: its checker returned no answer",
-                      highlight=False)
+        console.print(f"[yellow]not known yet[/yellow] {user_markup(key)}: its checker "
+                      "returned no answer", highlight=False)
     for key, error in result.failed.items():
-        console.print(f"[red]checker failed[/red] {key}: {error}", highlight=False)
+        console.print(f"[red]checker failed[/red] {user_markup(key)}: {user_markup(error)}",
+                      highlight=False)
     for key in result.no_checker:
-        console.print(f"[yellow]no checker[/yellow] {key}: its tool has no @tool.reconciler in "
-                      f"{tools or '(no --tools given)'}", highlight=False)
+        console.print(f"[yellow]no checker[/yellow] {user_markup(key)}: its tool has no "
+                      f"@tool.reconciler in {user_markup(tools or '(no --tools given)')}",
+                      highlight=False)
     if not (result.reported or result.unanswered or result.failed or result.no_checker):
-        console.print(f"nothing to report: session {session_id!r} has no unreported "
-                      "outcome_unknown calls", highlight=False)
+        console.print(f"nothing to report: session {user_markup(repr(session_id))} has no "
+                      "unreported outcome_unknown calls", highlight=False)
 
 
 db_app = typer.Typer(help="The store's schema: its revision, and the migrations to head.",
@@ -591,7 +604,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv)
     except DexError as err:
-        typer.echo(f"error: {err}", err=True)
+        typer.echo(f"error: {visible(str(err))}", err=True)
         sys.exit(2 if isinstance(err, ConfigurationError) else 1)
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dex_tasks.store.base import EndedCall, EndedHook, note_ended
 from dex_tasks.store.calls import Calls
-from dex_tasks.store.connections import INHERITED
+from dex_tasks.store.connections import INHERITED, NetworkBounds, bounded_statements
 from dex_tasks.store.delivery import deliver_ready_messages, lock_session_messages
 from dex_tasks.store.leases import Leases
 from dex_tasks.store.tables import (
@@ -54,7 +54,9 @@ __all__ = [
     "EndedCall",
     "EndedHook",
     "Move",
+    "NetworkBounds",
     "Store",
+    "bounded_statements",
     "deliver_ready_messages",
     "event_name",
     "lock_session_messages",

@@ -23,6 +23,7 @@ from dex_tasks.errors import StoreUnavailableError
 from dex_tasks.states import CallStatus
 from dex_tasks.store.connections import (
     FORK_GUARD,
+    NetworkBounds,
     retryable,
     server_engine,
     sqlite_engine,
@@ -74,11 +75,13 @@ class StoreBase:
     lease renewals, single-call reads and inserts) keep trying across lost connections and a
     busy database. ``ping_after_idle`` tests a pooled server connection that sat idle that
     many seconds before using it; for processes that idle (see
-    ``connections.server_engine``).
+    ``connections.server_engine``). ``network``: how long a server connection may hang on a
+    silent network (default: what ``DEX_STORE_*`` give, ``connections.NetworkBounds``).
     """
 
     def __init__(self, database_url: str, *, retry_seconds: float = 5.0,
-                 ping_after_idle: float | None = None) -> None:
+                 ping_after_idle: float | None = None,
+                 network: NetworkBounds | None = None) -> None:
         self.url = database_url
         self.retry_seconds = retry_seconds
         self.is_sqlite = database_url.startswith("sqlite")
@@ -86,7 +89,8 @@ class StoreBase:
             self.engine = sqlite_engine(database_url, immediate=True)
             self.read_engine = sqlite_engine(database_url, immediate=False)
         else:
-            self.engine = server_engine(database_url, ping_after_idle=ping_after_idle)
+            self.engine = server_engine(database_url, ping_after_idle=ping_after_idle,
+                                        network=network)
             self.read_engine = self.engine
         self.is_postgres = self.engine.dialect.name == "postgresql"
         self._ended_hooks: list[EndedHook] = []

@@ -14,9 +14,11 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, Float, event, func, literal, select
+from sqlalchemy import Engine, Float, bindparam, event, func, literal, select
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError, InterfaceError
 from sqlalchemy.exc import OperationalError as SAOperationalError
@@ -24,6 +26,8 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 from sqlmodel import create_engine
+
+from dex_tasks.settings import DexSettings
 
 # Database connections a forked child inherited from its parent. The child never uses them
 # (see _guard_fork) and never closes them either: closing would end the parent's PostgreSQL
@@ -85,6 +89,13 @@ def sqlite_engine(url: str, *, immediate: bool) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
+        # A bounded transaction (a sweep, a lease renewal: see bounded_statements) waits less
+        # for the write lock than the others; the pragma runs only when the bound changes.
+        bounds = _BOUNDS.get()
+        busy_ms = int(1000 * (bounds.lock if bounds else SQLITE_BUSY_SECONDS))
+        if conn.info.get("dex_busy_ms") != busy_ms:
+            conn.exec_driver_sql(f"PRAGMA busy_timeout={busy_ms}")
+            conn.info["dex_busy_ms"] = busy_ms
         # Writers take the lock up front: a deferred transaction that reads and then writes can
         # fail with SQLITE_BUSY at once instead of waiting on busy_timeout.
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
@@ -115,7 +126,103 @@ def _use_wal(cur: Any) -> None:
         pause = min(pause * 2, 0.2)
 
 
-def server_engine(url: str, *, ping_after_idle: float | None) -> Engine:
+@dataclass(frozen=True)
+class NetworkBounds:
+    """How long a store connection may hang on a network that went silent (seconds).
+
+    A host cut off by a partition sends no FIN and no RST: without these, a client waits in
+    TCP retransmission for about 15 minutes, and the server keeps a dead client's session,
+    with its row and advisory locks, until its own keepalives notice (about 2 hours by
+    default). Every other worker waiting on those locks waited with it (issue 19, P1).
+
+    * ``keepalive_*``: TCP keepalives on the client's socket, so an idle connection to a
+      vanished server is found dead after ``idle + interval * count``;
+    * ``tcp_user_timeout``: data sent and not acknowledged for this long ends the connection
+      (a statement or COMMIT sent into a partition fails instead of hanging);
+    * ``connect_timeout``: a connect whose SYN goes unanswered gives up after this long;
+    * ``idle_in_transaction``: the server ends a session that sits inside a transaction, not
+      running a statement, for this long, which frees the locks of a client that vanished
+      mid-transaction. Set per session from the client (``options=-c ...``), so it holds
+      without any server configuration, and so are the server's own keepalives and user
+      timeout toward the client (PostgreSQL 12+).
+
+    dex-tasks never holds a transaction open across anything but its own statements (no
+    Redis call, no tool code runs inside one), so a live client never comes near the idle
+    bound.
+    """
+
+    keepalive_idle: int = 5
+    keepalive_interval: int = 2
+    keepalive_count: int = 3
+    tcp_user_timeout: float = 10.0
+    connect_timeout: int = 10
+    idle_in_transaction: float = 10.0
+
+    @classmethod
+    def from_settings(cls, settings: DexSettings) -> NetworkBounds:
+        """The bounds ``settings`` (``DEX_STORE_*``) give."""
+        return cls(keepalive_idle=settings.store_keepalive_idle_seconds,
+                   keepalive_interval=settings.store_keepalive_interval_seconds,
+                   keepalive_count=settings.store_keepalive_count,
+                   tcp_user_timeout=settings.store_tcp_user_timeout_seconds,
+                   connect_timeout=settings.store_connect_timeout_seconds,
+                   idle_in_transaction=settings.store_idle_in_transaction_seconds)
+
+    def libpq_args(self, url: str) -> dict[str, Any]:
+        """libpq connection parameters for these bounds (``options`` merged with the URL's:
+        a ``-c`` the URL gives comes last, so it wins)."""
+        user_timeout_ms = int(self.tcp_user_timeout * 1000)
+        server = {
+            "idle_in_transaction_session_timeout": int(self.idle_in_transaction * 1000),
+            "tcp_keepalives_idle": self.keepalive_idle,
+            "tcp_keepalives_interval": self.keepalive_interval,
+            "tcp_keepalives_count": self.keepalive_count,
+            "tcp_user_timeout": user_timeout_ms,
+        }
+        options = " ".join(f"-c {name}={value}" for name, value in server.items())
+        given = make_url(url).query.get("options")
+        if given:
+            options = f"{options} {given if isinstance(given, str) else ' '.join(given)}"
+        return {"keepalives": 1, "keepalives_idle": self.keepalive_idle,
+                "keepalives_interval": self.keepalive_interval,
+                "keepalives_count": self.keepalive_count,
+                "tcp_user_timeout": user_timeout_ms,
+                "connect_timeout": self.connect_timeout, "options": options}
+
+
+@dataclass(frozen=True)
+class StatementBounds:
+    """The longest a statement may run, and wait for a lock, in a bounded transaction."""
+
+    statement: float
+    lock: float
+
+
+_BOUNDS: ContextVar[StatementBounds | None] = ContextVar("dex_statement_bounds", default=None)
+_SET_BOUNDS = select(
+    func.set_config("statement_timeout", bindparam("bound_statement"), True),
+    func.set_config("lock_timeout", bindparam("bound_lock"), True))
+
+
+@contextmanager
+def bounded_statements(statement: float, lock: float) -> Iterator[None]:
+    """Bound every transaction this thread opens in the ``with`` block.
+
+    PostgreSQL: ``SET LOCAL statement_timeout`` and ``lock_timeout`` at the start of each.
+    SQLite: a busy timeout of ``lock`` seconds. For the sweeps and the lease renewals: they
+    must fail fast and try again, never queue for minutes behind a lock that a vanished
+    client's session holds (the retry in ``StoreBase._retrying`` counts a lock timeout as a
+    busy database).
+    """
+    token = _BOUNDS.set(StatementBounds(statement, lock))
+    try:
+        yield
+    finally:
+        _BOUNDS.reset(token)
+
+
+def server_engine(url: str, *, ping_after_idle: float | None,
+                  network: NetworkBounds | None = None) -> Engine:
     """A pooled engine for a database server (PostgreSQL).
 
     ``ping_after_idle`` (seconds): a pooled connection that sat idle at least that long is
@@ -125,13 +232,29 @@ def server_engine(url: str, *, ping_after_idle: float | None) -> Engine:
     pool hands out connections used moments ago, which are not pinged, so the ping costs
     nothing there (``pool_pre_ping`` would cost a round trip on every transaction). ``None``
     for workers: they retry their statements across a reconnect instead (``Store``).
+
+    ``network``: how long a connection may hang on a silent network (:class:`NetworkBounds`;
+    default: the bounds ``DEX_STORE_*`` give).
     """
     connect_args: dict[str, Any] = {}
-    if make_url(url).get_driver_name() == "psycopg":
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "postgresql":
+        bounds = network or NetworkBounds.from_settings(DexSettings())
+        connect_args.update(bounds.libpq_args(url))
+    if parsed.get_driver_name() == "psycopg":
         connect_args["prepare_threshold"] = PREPARE_THRESHOLD
     engine = create_engine(url, pool_size=5, max_overflow=10, pool_recycle=1800,
                            connect_args=connect_args)
     _guard_fork(engine)
+
+    @event.listens_for(engine, "begin")
+    def _bound(conn: Connection) -> None:
+        bounds = _BOUNDS.get()
+        if bounds is not None and conn.dialect.name == "postgresql":
+            # set_config(..., true) is SET LOCAL: it ends with the transaction. One statement
+            # with bound values, so psycopg can prepare it like the others.
+            conn.execute(_SET_BOUNDS, {"bound_statement": f"{int(bounds.statement * 1000)}ms",
+                                       "bound_lock": f"{int(bounds.lock * 1000)}ms"})
     if ping_after_idle is not None:
         _ping_after_idle(engine, ping_after_idle)
     return engine

@@ -84,6 +84,19 @@ class Leases(Transitions):
                 .values(**values))
         self._retrying(lambda conn, _: conn.execute(stmt))
 
+    def mark_unpublished(self, keys: str | Sequence[str]) -> None:
+        """Record that queued calls' messages are lost (a publish failed, or the delivery that
+        took one could not claim it): ``published_at`` is cleared, so the republisher sends
+        them on its next turn (never-published calls come first and wait no window)."""
+        keys = [keys] if isinstance(keys, str) else list(keys)
+        if not keys:
+            return
+        stmt = (update(CALLS)
+                .where(CALLS.c.key.in_(keys),
+                       status_by_key(self.is_sqlite) == CallStatus.QUEUED.value)
+                .values(published_at=None))
+        self._retrying(lambda conn, _: conn.execute(stmt))
+
     def renew_leases(self, worker_prefix: str, keys: Sequence[str], seconds: float) -> int:
         """Extend the leases of ``keys`` still running on this worker to ``seconds`` from now
         on the store's clock; returns rows touched.

@@ -18,6 +18,7 @@ So two JSON texts are compared by value (:func:`same_json`), never as strings.
 from __future__ import annotations
 
 import json
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import Text, cast, type_coerce
@@ -26,7 +27,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.types import JSON, TypeDecorator, TypeEngine
 
-_REPLACEMENT = "\ufffd"
+from dex_tasks.limits import storable_text
 
 
 def _storable(value: Any) -> Any:
@@ -38,13 +39,7 @@ def _storable(value: Any) -> Any:
     fails and leaves its call stuck.
     """
     if isinstance(value, str):
-        if "\x00" in value:
-            value = value.replace("\x00", _REPLACEMENT)
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            value = "".join(_REPLACEMENT if 0xD800 <= ord(ch) <= 0xDFFF else ch for ch in value)
-        return value
+        return storable_text(value)
     if isinstance(value, dict):
         return {_storable(k): _storable(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -90,18 +85,30 @@ class JsonText(TypeDecorator[str]):
 def same_json(stored: str, given: str) -> bool:
     """True if two JSON texts hold the same value: equal text, or equal after parsing.
 
-    Parsed values compare as JSON does (jsonb's equality): numbers by value (``1`` and ``1.0``
-    alike, as jsonb keeps them), booleans never equal to numbers (Python's ``True == 1`` is
+    Parsed values compare as JSON does (jsonb's equality): numbers by the decimal value their
+    text spells (``1`` and ``1.0`` alike, ``1e+23`` and ``100000000000000000000000`` alike, as
+    jsonb keeps them), booleans never equal to numbers (Python's ``True == 1`` is
     not JSON's), objects by their keys and values, arrays in order.
     """
     return stored == given or _equal(json.loads(stored), json.loads(given))
+
+
+def _number(value: int | float) -> Decimal:
+    """A JSON number's exact value, as jsonb keeps it: the decimal its text spells.
+
+    A float is compared by its shortest text (``repr``, what ``json.dumps`` writes), not by
+    its binary value: ``1e23`` is stored by jsonb as exactly 10**23, which comes back as an
+    int, while the float 1e23 is 99999999999999991611392 in binary, so ``==`` said they
+    differ and a repeated call raised ConflictError.
+    """
+    return Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
 
 
 def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
         return type(a) is type(b) and a == b
     if isinstance(a, int | float) and isinstance(b, int | float):
-        return a == b
+        return _number(a) == _number(b)
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, list) and isinstance(b, list):

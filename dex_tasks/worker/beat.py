@@ -19,7 +19,10 @@ code, so beat sends it to the workers (:data:`ON_WORKERS`) as before.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
 from celery.beat import PersistentScheduler
@@ -41,6 +44,7 @@ class SweepRunner:
     def __init__(self, app: Any) -> None:
         self.app = app
         self.threads: dict[str, threading.Thread] = {}
+        self.started: dict[str, float] = {}
         self.lock = threading.Lock()
 
     def start(self, job: str) -> bool:
@@ -48,12 +52,20 @@ class SweepRunner:
         with self.lock:
             running = self.threads.get(job)
             if running is not None and running.is_alive():
-                log.info("sweep still running, this turn skipped",
-                         extra={"action": "sweep_skipped", "job": job})
+                waited = time.monotonic() - self.started.get(job, time.monotonic())
+                where = waiting_on(running)
+                # A warning once the run outlasts a few turns: the store (or Redis) is what
+                # holds it up, and this names where.
+                log.log(logging.WARNING if waited > 30 else logging.INFO,
+                        "sweep still running after %.0fs, this turn skipped; it waits in %s",
+                        waited, where, extra={"action": "sweep_skipped", "job": job,
+                                              "running_for": round(waited, 1),
+                                              "waiting_in": where})
                 return False
             thread = threading.Thread(target=self._run, args=(job,), name=f"dex-sweep-{job}",
                                       daemon=True)
             self.threads[job] = thread
+            self.started[job] = time.monotonic()
             thread.start()
             return True
 
@@ -63,6 +75,22 @@ class SweepRunner:
         except Exception:
             # The next turn runs it again; a sweep must never stop beat.
             log.exception("sweep failed", extra={"action": "sweep_error", "job": job})
+
+
+def waiting_on(thread: threading.Thread) -> str:
+    """Where ``thread`` is now: its innermost dex-tasks frame and the call it is inside (a
+    socket read of the database driver, a Redis command, a sleep), for the skipped-turn log."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    if frame is None:
+        return "(not running)"
+    innermost = f"{frame.f_code.co_name} ({Path(frame.f_code.co_filename).name})"
+    ours = None
+    while frame is not None:
+        if ours is None and "dex_tasks" in frame.f_code.co_filename:
+            name = Path(frame.f_code.co_filename).name
+            ours = f"{frame.f_code.co_name} ({name}:{frame.f_lineno})"
+        frame = frame.f_back
+    return f"{ours or '?'}, inside {innermost}"
 
 
 class SweepScheduler(PersistentScheduler):  # type: ignore[misc]

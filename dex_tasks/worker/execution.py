@@ -30,18 +30,20 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
-from billiard.exceptions import SoftTimeLimitExceeded
+from billiard.exceptions import SoftTimeLimitExceeded, WorkerLostError
 from celery import Celery, Task
+from sqlalchemy.exc import DataError
 
 from dex_tasks.broker import notify
 from dex_tasks.broker.celery_app import publish
 from dex_tasks.broker.redis_clients import connector, redis_client
 from dex_tasks.errors import OutcomeUnknownError, TransientToolError
+from dex_tasks.limits import RESULT_DEPTH_MAX, storable_text
 from dex_tasks.policy import EffectClass
 from dex_tasks.registry import InvalidArguments, ToolContext, get_local_tool, strings_problem
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
-from dex_tasks.store import INHERITED, Move, Store
+from dex_tasks.store import INHERITED, Move, NetworkBounds, Store
 from dex_tasks.store.models import ToolCallRow
 from dex_tasks.worker import claims, retry
 from dex_tasks.worker.task_states import Outcome, failure, ignored, report
@@ -81,7 +83,8 @@ def runtime(app: Celery) -> Runtime:
             _runtime = Runtime(
                 settings=settings,
                 store=Store(settings.database_url,
-                            retry_seconds=settings.store_retry_seconds),
+                            retry_seconds=settings.store_retry_seconds,
+                            network=NetworkBounds.from_settings(settings)),
                 redis=redis_client(settings, socket_timeout=10),
                 app=app,
             )
@@ -123,12 +126,31 @@ def current_owner(hostname: str | None) -> str:
 
 
 def _dump_result(value: Any) -> str:
+    # Too deep first (checked without recursing): the checks below, the encoder and every
+    # reader recurse, and a RecursionError here once left the call running with no ending.
+    if _depth_over(value, RESULT_DEPTH_MAX):
+        raise ValueError(f"its result is nested deeper than {RESULT_DEPTH_MAX} levels, which "
+                         "the store does not hold")
     # A NUL or a lone surrogate in a string: PostgreSQL's jsonb cannot hold it (see sqljson).
     problem = strings_problem(value, "its result")
     if problem:
         raise ValueError(problem)
     # allow_nan=False: NaN would be stored as JSON no other reader accepts (the API says null).
     return json.dumps(value, default=_unserialisable, allow_nan=False)
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """True if lists, tuples and dicts nest deeper than ``limit`` in ``value`` (no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list | tuple):
+            if depth >= limit:
+                return True
+            stack.extend((child, depth + 1) for child in item)
+    return False
 
 
 def _unserialisable(value: Any) -> Any:
@@ -225,9 +247,21 @@ def after_lost_attempt(rt: Runtime, call: ToolCallRow, move: Move, *, republish:
         try:
             publish(rt.app, call)
         except Exception:  # noqa: BLE001 - the republisher sweep picks it up
-            log.warning("republish failed", extra={"action": "republish_failed",
-                                                   "key": call.key})
+            _message_lost(rt, call.key, "republish_failed")
     log.info("attempt lost, retrying", extra={"action": "attempt_lost", "key": call.key})
+
+
+def _message_lost(rt: Runtime, key: str, action: str) -> None:
+    """A queued call's message is known lost (its publish failed, or the delivery could not
+    claim it): mark it never published, which the republisher sends again on its next turn
+    once Redis answers, instead of a whole ``republish_after_seconds`` later."""
+    log.warning("call's message lost; the republisher sends it again", extra={
+        "action": action, "key": key})
+    try:
+        rt.store.mark_unpublished(key)
+    except Exception:  # then the republisher's window applies
+        log.warning("could not mark the call unpublished", exc_info=True,
+                    extra={"action": "mark_unpublished_failed", "key": key})
 
 
 def _exhausted_before_claim(rt: Runtime, call: ToolCallRow, why: str) -> Outcome:
@@ -317,10 +351,43 @@ def _before_claim(row: Any) -> ToolCallRow:
 
 def _finish(rt: Runtime, key: str, owner: str, to: CallStatus, **values: Any) -> bool:
     reason = values.pop("reason", None)
-    return rt.store.transition(
-        key, to, allowed={CallStatus.RUNNING}, match={"worker": owner},
-        values=values, detail={"reason": reason} if reason else None,
-    )
+    try:
+        return rt.store.transition(
+            key, to, allowed={CallStatus.RUNNING}, match={"worker": owner},
+            values=values, detail={"reason": reason} if reason else None,
+        )
+    except Exception as err:
+        if not to.terminal or not _refused_for_its_data(err):
+            raise
+        # The ending was checked before this write, so this is a value the checks missed.
+        # Left to raise, the call would stay running until its lease ran out and the reaper
+        # ran it again or called the worker lost: it ends failed now, in a text that fits.
+        log.warning("the store refused a call's ending; ending it failed", extra={
+            "action": "ending_refused", "key": key, "status": to.value})
+        error = (f"the tool ended ({to.value}) but the store refused to record that ending "
+                 f"({_cause_name(err)})")
+        return rt.store.transition(
+            key, CallStatus.FAILED, allowed={CallStatus.RUNNING}, match={"worker": owner},
+            values={"error": error}, detail={"reason": "ending_refused"})
+
+
+def _refused_for_its_data(err: BaseException) -> bool:
+    """True if the store refused a write for what it held (text it cannot encode, JSON it
+    cannot parse, a value out of range), not because it was unreachable."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, ValueError | RecursionError | DataError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _cause_name(err: BaseException) -> str:
+    """The innermost exception type behind ``err``: a name, never its text (which may hold
+    exactly what the store refused)."""
+    while err.__cause__ is not None or err.__context__ is not None:
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    return type(err).__name__
 
 
 def _end(rt: Runtime, key: str, owner: str, to: CallStatus, error: str | None,
@@ -410,10 +477,11 @@ def _attempt_retrying(rt: Runtime, call: ToolCallRow, tool: Any, arguments: dict
             assert lost.status is not None
             return _end(rt, key, owner, lost.status, lost.error, "attempts_exhausted")
         return _end(rt, key, owner, CallStatus.FAILED, decision.error, "attempts_exhausted")
-    except SystemExit:
+    except SystemExit as err:
         # The process is exiting (the worker is stopping it, or the tool called sys.exit):
-        # that is a lost worker, which the main process records (DexRequest).
-        raise
+        # that is a lost worker, which the main process records (DexRequest). In a pool
+        # thread nothing exits: see _exited_in_thread.
+        return _exited_in_thread(rt, call, owner, err)
     except BaseException as err:  # noqa: BLE001 - see _tool_error
         return _tool_error(rt, key, owner, err)
     return _succeed(rt, key, owner, value)
@@ -463,7 +531,16 @@ def run_single_attempt(task: Task, key: str) -> None:
     # The Redis claim first: it turns a duplicate away without a store round trip. A worker
     # that dies between the two claims leaves the call queued, untouched by any tool, behind
     # a claim the republisher recognises as dead ("did not run").
-    if not claims.try_claim(rt.redis, key, owner, rt.settings.claim_ttl_seconds):
+    try:
+        first = claims.try_claim(rt.redis, key, owner, rt.settings.claim_ttl_seconds,
+                                 retry_seconds=rt.settings.claim_retry_seconds)
+    except redis.RedisError as err:
+        # The message is acknowledged and no tool ran: the republisher sends the call again
+        # as soon as Redis answers, not a whole window later (issue 19, P2).
+        _message_lost(rt, key, "claim_failed")
+        raise ignored(task, key, f"the Redis claim failed ({type(err).__name__}: {err}); "
+                                 "the call stays queued and is sent again") from err
+    if not first:
         log.info("claim taken, duplicate ignored", extra={"action": "duplicate_delivery",
                                                           "key": key})
         raise ignored(task, key, _DUPLICATE)
@@ -491,11 +568,34 @@ def _attempt_once(rt: Runtime, call: ToolCallRow, tool: Any, arguments: dict[str
             return Outcome(None, why=_SUPERSEDED)
         ended = rt.store.get_call(key)
         return Outcome(status, ended.error if ended else None)
-    except SystemExit:
-        raise  # a lost worker: see _attempt_retrying
+    except SystemExit as err:
+        return _exited_in_thread(rt, call, owner, err)  # a lost worker: see _attempt_retrying
     except BaseException as err:  # noqa: BLE001 - see _tool_error
         return _tool_error(rt, key, owner, err)
     return _succeed(rt, key, owner, value)
+
+
+def _exited_in_thread(rt: Runtime, call: ToolCallRow, owner: str, err: SystemExit) -> Outcome:
+    """A tool called ``sys.exit()``: a lost worker, recorded at once.
+
+    In a prefork child the exit goes on, the child dies and the main process records the loss
+    (``DexRequest``). In a pool thread (``-P threads``) it would only end the thread's task:
+    Celery's threads pool hands the error to the request's success callback, which drops it,
+    so the call stayed ``running`` with its lease renewed for ever and its slot taken. So the
+    thread records the loss itself, as the main process would: a single-attempt call ends
+    ``outcome_unknown``, a retrying call is queued again while attempts are left (its message
+    sent through ``Task.retry``), and the request ends normally, freeing its slot.
+    """
+    if threading.current_thread() is threading.main_thread():
+        raise err
+    reason = f"the tool exited its worker thread ({_error_text(err)}), a lost worker"
+    status = handle_lost_attempt(rt, call.key, owner, reason, republish=False)
+    if status is None:
+        return Outcome(None, why=_SUPERSEDED)
+    if status is CallStatus.QUEUED:
+        return Outcome(status, reason, cause=WorkerLostError(reason))
+    ended = rt.store.get_call(call.key)
+    return Outcome(status, ended.error if ended else reason)
 
 
 def _outcome_unknown(rt: Runtime, key: str, owner: str, err: OutcomeUnknownError) -> Outcome:
@@ -506,5 +606,14 @@ def _outcome_unknown(rt: Runtime, key: str, owner: str, err: OutcomeUnknownError
 
 
 def _error_text(err: BaseException) -> str:
-    text = str(err)
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+    """``Type: message`` of a tool's error, as a text the store can hold on every engine.
+
+    A message with a NUL or a lone surrogate gets U+FFFD in their place, and an exception
+    whose ``__str__`` raises is named with why: its call must still end, and say so.
+    """
+    name = type(err).__name__
+    try:
+        text = str(err)
+    except Exception as inner:  # noqa: BLE001 - the tool's own __str__, whatever it raises
+        return f"{name} (its message could not be read: {type(inner).__name__})"
+    return storable_text(f"{name}: {text}" if text else name)

@@ -25,6 +25,7 @@ from celery.worker import state as worker_state
 from dex_tasks.broker.celery_app import RUN_RETRYING, RUN_SINGLE_ATTEMPT
 from dex_tasks.broker.routing import Presence
 from dex_tasks.states import CallStatus
+from dex_tasks.store import bounded_statements
 from dex_tasks.worker.execution import (
     current_owner,
     did_not_run,
@@ -78,8 +79,12 @@ class LeaseRenewer(threading.Thread):
             # gives each message ("dex.call_tool[lookup_order]") and never matches.
             if request.type in _CALL_TASKS and request.args:
                 by_host.setdefault(request.hostname, []).append(request.args[0])
-        return sum(rt.store.renew_leases(f"{host}:", keys, rt.settings.lease_seconds)
-                   for host, keys in by_host.items())
+        # Bounded: a renewal waiting on a row lock (a vanished host's session, a call of ours
+        # mid-ending) fails in seconds and is tried again, instead of queueing for minutes.
+        with bounded_statements(rt.settings.sweep_statement_timeout_seconds,
+                                rt.settings.sweep_lock_timeout_seconds):
+            return sum(rt.store.renew_leases(f"{host}:", keys, rt.settings.lease_seconds)
+                       for host, keys in by_host.items())
 
 
 _renewer: LeaseRenewer | None = None

@@ -51,6 +51,9 @@ class ReconcileResult:
     unanswered: list[str] = field(default_factory=list)
     # Keys whose checker raised, with the error.
     failed: dict[str, str] = field(default_factory=dict)
+    # With ``limit``: where the pass stopped (the last call it looked at, as ``unreported_calls``
+    # pages), or None when it went through every call.
+    stopped_after: tuple[float, str] | None = None
 
 
 def reconciler_for(tool_name: str) -> Callable[[str, dict[str, Any]], str | None] | None:
@@ -60,13 +63,16 @@ def reconciler_for(tool_name: str) -> Callable[[str, dict[str, Any]], str | None
 
 
 def reconcile_with_reconcilers(
-    store: Store, session_id: str | None = None, now: float | None = None
+    store: Store, session_id: str | None = None, now: float | None = None, *,
+    after: tuple[float, str] | None = None, limit: int | None = None,
 ) -> ReconcileResult:
     """Run the tools' registered checkers for unreported ``outcome_unknown`` calls.
 
     With ``session_id``, looks at that session's calls (and lists the ones whose tool has no
     checker here); without it, at every session's calls of tools that have a checker in this
     process (the sweep). A checker that raises is logged and skipped; the others still run.
+    ``after`` starts past that call (``stopped_after`` of an earlier pass), and ``limit``
+    asks at most that many checkers, so that one pass is bounded however slow they are.
     """
     result = ReconcileResult()
     tools = None
@@ -74,7 +80,12 @@ def reconcile_with_reconcilers(
         tools = sorted(name for name, t in local_tools().items() if t.reconcile_fn is not None)
         if not tools:
             return result
-    for call in unreported_calls(store, session_id=session_id, tools=tools):
+    asked = 0
+    for call in unreported_calls(store, session_id=session_id, tools=tools, after=after):
+        if limit is not None and asked >= limit:
+            return result
+        asked += 1
+        result.stopped_after = (call.finished_at or 0.0, call.key) if limit is not None else None
         fn = reconciler_for(call.tool)
         if fn is None:
             result.no_checker.append(call.key)
@@ -92,15 +103,16 @@ def reconcile_with_reconcilers(
         report = _report_one(store, call, answer, checker=f"reconciler:{call.tool}", now=now)
         if report is not None:
             result.reported.append(report)
+    result.stopped_after = None
     return result
 
 
 def unreported_calls(
-    store: Store, *, session_id: str | None = None, tools: Iterable[str] | None = None
+    store: Store, *, session_id: str | None = None, tools: Iterable[str] | None = None,
+    after: tuple[float, str] | None = None,
 ) -> Iterator[ToolCallRow]:
     """``outcome_unknown`` calls whose key no user message of their session names yet, oldest
-    first, read a page at a time."""
-    after: tuple[float, str] | None = None
+    first (past ``after``, a ``(finished_at, key)``), read a page at a time."""
     while True:
         stmt = select(CALLS).where(CALLS.c.status == CallStatus.OUTCOME_UNKNOWN.value)
         if session_id is not None:

@@ -1,8 +1,15 @@
 // The session page: reads the session's snapshot, renders its transcript, a card per pending
 // call and per decision, and stays current through the session's Server-Sent Events stream. No
 // framework and no build step. Every value from the server goes into the page with
-// textContent, never as HTML. Who the reader works as (approver, permission) is rendered by the
-// server; a token without "operate" gets the page without Approve/Reject.
+// textContent, never as HTML, and with its control and bidi characters shown as escapes
+// (visible): "\u202e00001 :tnuoma" must not display as "amount: 10000". Who the reader works as
+// (approver, permission) is rendered by the server; a token without "operate" gets the page
+// without Approve/Reject.
+//
+// The page reads the session in bounded pieces: first the transcript's newest messages, the
+// calls not ended yet, the approvals waiting and the newest decisions; then, after each burst
+// of events, only the messages after the last one it has (and the same bounded lists), never
+// the whole session again. Its event stream starts at the snapshot's event_cursor.
 "use strict";
 
 (function () {
@@ -20,11 +27,20 @@
   ];
   const TERMINAL = new Set(["succeeded", "failed", "rejected", "outcome_unknown"]);
   const ACTIVITY_LIMIT = 50;
+  const PAGE_LIMIT = 200;
+  const MAX_CURSOR = "9223372036854775807";
+  // C0 (but tab and newline) and C1 controls, DEL, the line/paragraph separators, and the
+  // bidirectional formatting characters: shown as \uXXXX, never acted on.
+  const UNSAFE = /[\u0000-\u0008\u000b-\u001f\u007f-\u009f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]/g;
 
   const $ = (id) => document.getElementById(id);
   const pendingCards = new Map();   // interrupt_id -> element
   const decidedCards = new Map();   // interrupt_id -> element
-  const messageItems = new Map();   // "role:id" -> element
+  const messageItems = new Map();   // message id -> element
+  const toolOutputs = new Map();    // call key -> its tool message (the call's outcome)
+  let callsByKey = new Map();       // key -> call, for the calls not ended yet
+  let lastMessageId = 0;
+  let eventCursor = null;
   let serverOffsetMs = 0;           // server clock minus browser clock
   let refreshTimer = null;
   let refreshing = null;
@@ -34,6 +50,11 @@
   // -- helpers -----------------------------------------------------------------------------
 
   function serverNow() { return Date.now() + serverOffsetMs; }
+
+  function visible(text) {
+    return String(text).replace(UNSAFE,
+      (c) => "\\u" + c.charCodeAt(0).toString(16).padStart(4, "0"));
+  }
 
   function parseTime(value) {
     if (value === null || value === undefined) return null;
@@ -57,17 +78,17 @@
   }
 
   function pretty(value) {
-    try { return JSON.stringify(value, null, 2); } catch (e) { return String(value); }
+    try { return visible(JSON.stringify(value, null, 2)); } catch (e) { return visible(value); }
   }
 
   // JSON text (a tool's arguments or output) pretty-printed; anything else as it is.
   function prettyText(text) {
     if (text === null || text === undefined) return "";
-    try { return pretty(JSON.parse(text)); } catch (e) { return String(text); }
+    try { return pretty(JSON.parse(text)); } catch (e) { return visible(text); }
   }
 
   function setText(root, selector, text) {
-    root.querySelector(selector).textContent = text;
+    root.querySelector(selector).textContent = visible(text);
   }
 
   function show(root, selector, visible) {
@@ -75,14 +96,14 @@
   }
 
   function badge(el, kind, value) {
-    el.textContent = value || "";
+    el.textContent = visible(value || "");
     el.dataset[kind] = value || "";
     el.hidden = !value;
   }
 
   function banner(text, kind) {
     const el = $("banner");
-    el.textContent = text || "";
+    el.textContent = visible(text || "");
     el.dataset.kind = kind || "error";
     el.hidden = !text;
   }
@@ -102,7 +123,7 @@
       try { detail = (await response.json()).detail || ""; } catch (e) { /* not JSON */ }
       banner((response.status === 401
         ? "This link's token is missing, invalid or expired. Ask for a new link. "
-        : "This token does not allow that. ") + detail);
+        : "This token does not allow that. ") + visible(detail));
       live("closed", "signed out");
       if (events) events.close();
       throw new Error("auth " + response.status);
@@ -183,25 +204,26 @@
 
   function showNote(card, text) {
     const note = card.querySelector(".note");
-    note.textContent = text;
+    note.textContent = visible(text);
     note.hidden = !text;
   }
 
-  function outcomeText(call) {
-    if (!call) return "";
-    if (call.error) return call.error;
-    if (call.result !== null && call.result !== undefined) return pretty(call.result);
-    return "";
+  // What an ended call gave the model: its tool message's output (the result as JSON, or
+  // the error), which the transcript holds.
+  function outcomeText(key) {
+    const message = toolOutputs.get(key);
+    return message ? prettyText(message.tool_output) : "";
   }
 
-  function renderDecided(item, callsByKey) {
+  function renderDecided(item) {
     let card = decidedCards.get(item.interrupt_id);
     if (!card) {
       card = newCard("decided-card", item);
       decidedCards.set(item.interrupt_id, card);
     }
     const call = callsByKey.get(item.key);
-    const status = call ? call.status : item.call_status;
+    const message = toolOutputs.get(item.key);
+    const status = call ? call.status : (message && message.call_status) || item.call_status;
     badge(card.querySelector(".decision"), "decision", item.decision);
     const statusEl = card.querySelector(".call-status");
     badge(statusEl, "status", status);
@@ -216,16 +238,17 @@
     setText(card, ".who", who + " · " + clockTime.format(when) + " (" + ago(when) + ")");
     setDeadline(card, item.deadline ? parseTime(item.deadline) : null);
     const reason = card.querySelector(".reason");
-    reason.textContent = item.reason || "";
+    reason.textContent = visible(item.reason || "");
     reason.hidden = !item.reason;
     const outcome = card.querySelector(".outcome");
     // A rejected call's error repeats the reason shown above.
-    const text = item.decision === "approved" ? outcomeText(call) : "";
+    const text = item.decision === "approved" ? outcomeText(item.key) : "";
+    const failed = status !== "succeeded";
     outcome.textContent = text;
     outcome.hidden = !text;
-    outcome.dataset.kind = call && call.error ? "error" : "result";
+    outcome.dataset.kind = failed ? "error" : "result";
     const outcomeLabel = card.querySelector(".outcome-label");
-    outcomeLabel.textContent = call && call.error ? "Error" : "Result";
+    outcomeLabel.textContent = failed ? "Error" : "Result";
     outcomeLabel.hidden = !text;
     return card;
   }
@@ -268,28 +291,32 @@
     }
   }
 
+  // New messages go in by id (they come oldest first); ones already shown are updated (a
+  // queued user message becomes delivered).
   function renderTranscript(messages, calls) {
     const list = $("transcript");
-    const seen = new Set();
-    const reported = new Set();
-    messages.forEach((message, index) => {
-      const id = (message.role || "user") + ":" + message.id;
-      seen.add(id);
-      if (message.key) reported.add(message.key);
-      let li = messageItems.get(id);
-      if (!li) { li = newMessage(); messageItems.set(id, li); }
-      li.dataset.messageId = id;
+    for (const message of messages) {
+      if (message.key) toolOutputs.set(message.key, message);
+      let li = messageItems.get(message.id);
+      if (!li) {
+        li = newMessage();
+        li.dataset.messageId = String(message.id);
+        messageItems.set(message.id, li);
+        let next = null;
+        for (let el = list.lastElementChild; el; el = el.previousElementSibling) {
+          if (Number(el.dataset.messageId) < message.id) break;
+          next = el;
+        }
+        list.insertBefore(li, next);
+      }
       fillMessage(li, message);
-      if (list.children[index] !== li) list.insertBefore(li, list.children[index] || null);
-    });
-    for (const [id, li] of messageItems) {
-      if (!seen.has(id)) { li.remove(); messageItems.delete(id); }
+      lastMessageId = Math.max(lastMessageId, message.id);
     }
     // Calls not finished yet have no tool message: list them after the transcript.
     const flight = $("in-flight");
     flight.replaceChildren();
     for (const call of calls) {
-      if (TERMINAL.has(call.status) || reported.has(call.key)) continue;
+      if (TERMINAL.has(call.status) || toolOutputs.has(call.key)) continue;
       const li = newMessage();
       li.classList.add("pending-call");
       fillMessage(li, {
@@ -300,14 +327,16 @@
       show(li, ".output-label", false);
       flight.appendChild(li);
     }
-    $("transcript-count").textContent = String(messages.length);
-    $("transcript-empty").hidden = messages.length > 0 || flight.children.length > 0;
+    $("transcript-count").textContent = String(messageItems.size);
+    $("transcript-empty").hidden = messageItems.size > 0 || flight.children.length > 0;
   }
 
   // -- the whole page ----------------------------------------------------------------------
 
   function render(snapshot) {
-    const callsByKey = new Map(snapshot.tool_calls.map((c) => [c.key, c]));
+    callsByKey = new Map(snapshot.tool_calls.map((c) => [c.key, c]));
+    // Messages first: the decided cards show their call's outcome from its tool message.
+    renderTranscript(snapshot.messages || [], snapshot.tool_calls);
     const pendingIds = new Set();
     for (const item of snapshot.pending_interrupts) {
       pendingIds.add(item.interrupt_id);
@@ -321,14 +350,13 @@
       (a, b) => (parseTime(b.decided_at) || 0) - (parseTime(a.decided_at) || 0));
     const list = $("decided");
     decided.forEach((item, index) => {
-      const card = renderDecided(item, callsByKey);
+      const card = renderDecided(item);
       if (list.children[index] !== card) list.insertBefore(card, list.children[index] || null);
     });
-    renderTranscript(snapshot.messages || [], snapshot.tool_calls);
     $("pending-count").textContent = String(pendingCards.size);
-    $("decided-count").textContent = String(decided.length);
+    $("decided-count").textContent = String(decidedCards.size);
     $("pending-empty").hidden = pendingCards.size > 0;
-    $("decided-empty").hidden = decided.length > 0;
+    $("decided-empty").hidden = decidedCards.size > 0;
     document.body.dataset.loaded = "true";
   }
 
@@ -337,11 +365,17 @@
     if (refreshing) { scheduleRefresh(); return; }  // coalesce with the one in flight
     refreshing = (async () => {
       try {
-        const response = await api(base + "/snapshot");
+        const response = await api(base + "/snapshot?" + snapshotQuery());
         if (!response.ok) throw new Error("snapshot: HTTP " + response.status);
         const serverTime = Number(response.headers.get("X-Server-Time"));
         if (serverTime) serverOffsetMs = serverTime * 1000 - Date.now();
-        render(await response.json());
+        const snapshot = await response.json();
+        const first = eventCursor === null;
+        if (first) eventCursor = snapshot.event_cursor;
+        render(snapshot);
+        // The first read is the transcript's tail; later ones page forward until done.
+        if (first) $("transcript-earlier").hidden = !snapshot.messages_more;
+        else if (snapshot.messages_more) scheduleRefresh();
         if ($("banner").dataset.kind === "stale") banner("");
       } catch (err) {
         if (!fatal) banner("Could not load the session (" + err.message + "); retrying.", "stale");
@@ -350,6 +384,22 @@
       }
     })();
     return refreshing;
+  }
+
+  // What to read: the newest messages first; then those after the last one shown, from
+  // before the oldest still queued (its status changes when it is delivered).
+  function snapshotQuery() {
+    const query = new URLSearchParams({ limit: String(PAGE_LIMIT), open_calls: "true" });
+    if (eventCursor === null) {
+      query.set("messages_before", MAX_CURSOR);
+      return query.toString();
+    }
+    let after = lastMessageId;
+    for (const [id, li] of messageItems) {
+      if (li.dataset.status === "queued") after = Math.min(after, id - 1);
+    }
+    query.set("messages_after", String(after));
+    return query.toString();
   }
 
   function scheduleRefresh() {
@@ -407,7 +457,7 @@
     name.textContent = event.type.replace(/_/g, " ");
     const key = document.createElement("span");
     key.className = "mono";
-    key.textContent = data.key + (data.to_status ? "  →  " + data.to_status : "");
+    key.textContent = visible(data.key + (data.to_status ? "  →  " + data.to_status : ""));
     li.append(time, name, key);
     li.dataset.cursor = event.lastEventId;
     const list = $("activity");
@@ -417,7 +467,9 @@
 
   function connect() {
     // EventSource cannot send an Authorization header: the token goes in the query string.
-    events = new EventSource(base + "/events?token=" + encodeURIComponent(token));
+    // From the first snapshot's cursor: what happened before is in the page already.
+    events = new EventSource(base + "/events?token=" + encodeURIComponent(token)
+                             + "&after=" + encodeURIComponent(String(eventCursor || 0)));
     events.onopen = () => { live("live", "live"); scheduleRefresh(); };
     events.onerror = () => {
       if (events.readyState === EventSource.CLOSED) {
@@ -431,6 +483,12 @@
     for (const name of EVENT_NAMES) {
       events.addEventListener(name, (event) => { addActivity(event); scheduleRefresh(); });
     }
+    events.addEventListener("token_expired", () => {
+      events.close();
+      fatal = true;
+      banner("This link's token has expired. Ask for a new link.");
+      live("closed", "signed out");
+    });
   }
 
   if (!token) {
