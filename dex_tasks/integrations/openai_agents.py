@@ -602,9 +602,8 @@ def _input_text(model_data: ModelInputData) -> str:
 
 
 def _response_text(response: ModelResponse) -> str:
-    return "".join(part.text for item in response.output
-                   if isinstance(item, ResponseOutputMessage)
-                   for part in item.content if getattr(part, "text", None))
+    return "".join(str(getattr(part, "text", "") or "") for item in response.output
+                   if isinstance(item, ResponseOutputMessage) for part in item.content)
 
 
 def _dump_response(response: ModelResponse) -> str:
