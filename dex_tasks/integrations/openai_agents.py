@@ -481,6 +481,10 @@ class _Journal:
         self.client = client
         self.provider = provider
         self.allow_mcp_servers = allow_mcp_servers
+        # The journaled responses of the turns this journal began, by (session, turn) and step:
+        # begin_turn returns them, and this process writes the later ones itself, so replaying
+        # them needs no read of the store per model request.
+        self.known: dict[tuple[str, str], dict[int, str]] = {}
 
     async def begin(self, agent: Agent[Any], context: Any, model_data: ModelInputData) -> None:
         if agent.mcp_servers:
@@ -496,6 +500,7 @@ class _Journal:
         session_id = _required(context, "session_id")
         turn = await self.client.begin_turn(session_id, _input_text(model_data),
                                             turn_id=_get(context, "turn_id") or None)
+        self.known[(session_id, turn.turn_id)] = {s.step: s.response for s in turn.steps}
         _put(context, "turn_id", turn.turn_id)
         _put(context, _STEP, 0)
 
@@ -505,21 +510,24 @@ class _Journal:
         return self.provider.get_model(agent.model)
 
     async def replay(self, session_id: str, turn_id: str, step: int) -> ModelResponse | None:
-        turn = await self.client.open_turn(session_id)
-        if turn is None or turn.turn_id != turn_id:
-            return None
-        for journaled in turn.steps:
-            if journaled.step == step:
-                return _load_response(journaled.response)
-        return None
+        steps = self.known.get((session_id, turn_id))
+        if steps is None:  # a RunState resumed here: read what the turn has journaled
+            turn = await self.client.open_turn(session_id)
+            if turn is None or turn.turn_id != turn_id:
+                return None
+            steps = self.known[(session_id, turn_id)] = {s.step: s.response
+                                                         for s in turn.steps}
+        response = steps.get(step)
+        return None if response is None else _load_response(response)
 
     async def record(self, session_id: str, turn_id: str, step: int, response: ModelResponse,
                      tools: Sequence[Tool]) -> None:
         calls = [item for item in response.output if isinstance(item, ResponseFunctionToolCall)]
         text = _response_text(response)
+        dumped = _dump_response(response)
         if not calls:
-            await self.client.end_turn(session_id, turn_id, text or "(no text)",
-                                       response=_dump_response(response))
+            await self.client.end_turn(session_id, turn_id, text or "(no text)", response=dumped)
+            self.known.setdefault((session_id, turn_id), {})[step] = dumped
             return
         dex_tools = {t.name: t.on_invoke_tool for t in tools if isinstance(t, FunctionTool)
                      and isinstance(t.on_invoke_tool, _DexInvoker)}
@@ -532,8 +540,10 @@ class _Journal:
             requests.append({"tool_call_id": key_part(call.call_id), "tool": invoker.tool,
                              "arguments": arguments})
         # One transaction for the response and its calls, one publish (call_tools).
-        await self.client.record_step(session_id, turn_id, step, _dump_response(response),
-                                      requests, text=text or None)
+        await self.client.record_step(session_id, turn_id, step, dumped, requests,
+                                      text=text or None)
+        # Known once journaled (not before: a failed write must not be replayed as if kept).
+        self.known.setdefault((session_id, turn_id), {})[step] = dumped
 
 
 class _JournaledModel(Model):
