@@ -209,6 +209,18 @@ def driver(
          postgres_url=postgres_admin_url(postgres_url), out_dir=_out(out), console=console)
 
 
+@app.command(name="mcp")
+def mcp_latency(
+    calls: int = typer.Option(200, "--calls", min=1, help="Calls per variant."),
+    warmup: int = typer.Option(20, "--warmup", min=1, help="Calls per variant before timing."),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """What dex-tasks mcp adds: a no-op read in process, over stdio and over HTTP."""
+    from bench.mcp_latency import run_mcp_latency
+
+    _run(run_mcp_latency, calls=calls, warmup=warmup, out_dir=_out(out), console=console)
+
+
 @app.command(name="all")
 def all_(
     quick: bool = typer.Option(False, "--quick",

@@ -18,6 +18,7 @@ from dex_tasks.errors import (
     InvalidCallError,
     InvalidTokenError,
     OutcomeUnknownError,
+    PrunedCallError,
     SchemaOutOfDateError,
     StoreUnavailableError,
     ToolDefinitionError,
@@ -46,7 +47,7 @@ from dex_tasks.store.records import (
     Turn,
     TurnStep,
 )
-from dex_tasks.tokens import TokenClaims, issue_token, verify_token
+from dex_tasks.tokens import TokenClaims, issue_token, read_token, verify_token
 
 __all__ = [
     "APPROVAL_DEADLINE_PASSED",
@@ -74,6 +75,7 @@ __all__ = [
     "MessageRole",
     "OutcomeUnknownError",
     "PendingInterrupt",
+    "PrunedCallError",
     "SchemaOutOfDateError",
     "SessionMessage",
     "StoreUnavailableError",
@@ -94,6 +96,7 @@ __all__ = [
     "idempotency_key",
     "issue_token",
     "key_part",
+    "read_token",
     "report_unknown_outcomes",
     "report_unknown_outcomes_sync",
     "tool",

@@ -89,6 +89,22 @@ class TurnConflictError(ConflictError):
         self.field = field
 
 
+class PrunedCallError(ConflictError):
+    """The idempotency key names a single-attempt call that ran and was pruned since.
+
+    ``dex-tasks prune`` keeps a tombstone of each such key: a non-idempotent write is never run
+    twice, so a replay of it under the same ids is refused rather than run again (or ended
+    "did not run" although it ran). A new call needs new ids.
+    """
+
+    def __init__(self, key: str) -> None:
+        DexError.__init__(self, f"idempotency key {key!r} names a call that ran and was pruned "
+                          "(dex-tasks prune); a single-attempt call is never run again, so it "
+                          "cannot be replayed: a new call needs new ids")
+        self.key = key
+        self.field = "pruned"
+
+
 class CallNotFoundError(DexError):
     """No call is stored under that idempotency key."""
 

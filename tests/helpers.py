@@ -368,3 +368,14 @@ def calls_on_every_path(client: Any, name: str, sleep: float) -> list[str]:
                          arguments={"customer_id": "cu_1", "amount_cents": 5,
                                     "sleep": sleep}).key,
     ]
+
+
+def load_module(path: Path, name: str) -> Any:
+    """The Python file at ``path`` (an example) as a module, to run its code in this process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -66,4 +66,4 @@ def _slow_check(key: str, arguments: dict[str, Any]) -> str | None:
     return None
 
 
-CHECK_SECONDS = 0.25
+CHECK_SECONDS = 0.1

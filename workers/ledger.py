@@ -22,8 +22,13 @@ def record(tool: str, key: str, attempt: int, **extra: Any) -> None:
     path = os.environ.get(ENV)
     if not path:
         return
-    line = json.dumps({"tool": tool, "key": key, "attempt": attempt, "pid": os.getpid(),
-                       "at": time.time(), **extra}) + "\n"
+    append(path, {"tool": tool, "key": key, "attempt": attempt, "pid": os.getpid(),
+                  "at": time.time(), **extra})
+
+
+def append(path: str | Path, entry: dict[str, Any]) -> None:
+    """Append one JSON line to ``path`` and fsync it (what a SIGKILL cannot take back)."""
+    line = json.dumps(entry) + "\n"
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line.encode())

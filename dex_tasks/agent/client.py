@@ -252,16 +252,20 @@ class DexClient:
         tool_calls = journal.step_calls(
             [{"tool_call_id": request.tool_call_id, "tool": request.tool, "arguments": plain}
              for _, request, plain, _ in checked])
-        for _ in range(_INSERT_TRIES):
+        # A new step's calls are new: its first try inserts without reading (one transaction,
+        # as call_tool's does); a key or the step found taken makes it read, as call_tools does.
+        guess = step is not None
+        for _ in range(_INSERT_TRIES + guess):
             write_step = None
             if step is not None:
-                stored_step = step.stored(self.store)
+                stored_step = None if guess else step.stored(self.store)
                 if stored_step is not None:
                     step.check_same(stored_step, tool_calls)  # TurnConflictError
                 else:
                     write_step = step.writer(tool_calls)
-            existing = self.store.get_calls([key for key, *_ in checked])
-            stored_options = self.store.requested_options(list(existing))
+            existing = {} if guess else self.store.get_calls([key for key, *_ in checked])
+            stored_options = {} if guess else self.store.requested_options(list(existing))
+            guess = False
             new: list[NewCall] = []
             for key, request, plain, args_json in checked:
                 if key in existing:

@@ -8,6 +8,29 @@ The lines a user adds (``pip install "dex-tasks[pydantic-ai]"``)::
     agent = Agent(model, capabilities=[dex], output_type=[str, DeferredToolRequests])
     results = await dex.deferred_results(history)  # on resume: deferred_tool_results=results
 
+With ``session_id=`` each run is a durable turn (the five lines of ``docs/durable-turns.md``)::
+
+    from dex_tasks import DexClient
+    from dex_tasks.integrations.pydantic_ai import DexCapability
+    client = DexClient.from_env()
+    dex = DexCapability(client, session_id="ticket-42")
+    result = await agent.run("Refund order 1001", capabilities=[dex])
+
+**Durable turns** (``session_id=`` given). The run begins the session's turn with its input
+(``client.begin_turn``), or continues the one a killed process left open: running the same
+code again with the same session and input is the restart, with no history saved by hand.
+Every model request of the turn is a step (its position: the responses since the turn's user
+prompt): a journaled step's response is replayed from the store instead of asking the model
+(``wrap_model_request`` returns it without calling the model, as Pydantic AI's Temporal and DBOS
+integrations replay a recorded activity); a new response that calls tools is journaled with its
+calls of catalog tools (``client.record_step``: one transaction) before any call is sent. A
+response without tool calls is the answer: the run's output ends the turn (``end_turn``), and
+the session's user messages that waited for it are delivered; a run that ends on deferred calls
+leaves it open. Keys are ``session/turn/<step>.<the model's call id>``, all taken from the
+journaled response, so a replay gives the same keys even though a real model mints new ids each
+time it is asked (and fake models that reuse ids get distinct keys). A run with another input
+while the session's turn is open raises :class:`TurnInProgressError` (the input is queued).
+
 **Which tools.** The capability wraps the agent's toolset (``get_wrapper_toolset``) and adds the
 tools the workers published to the dex-tasks catalog (``client.list_tools()``: name, docstring,
 JSON schema), so the agent process need not import any tool code; ``names=`` picks some of them.
@@ -19,10 +42,11 @@ run stops at its first step with a :class:`~dex_tasks.ConfigurationError` naming
 is listed in ``local_tools=`` (it then runs in the agent process, as before). Pydantic AI's own
 typed tools (tool search, capability loading), output tools and external tools are left alone.
 
-**The idempotency key** ``session/turn/call`` is built only from what the message history keeps,
-so a run resumed in another process from the saved history finds the same calls:
+**The idempotency key** without ``session_id`` (``session/turn/call``) is built only from what
+the message history keeps, so a run resumed in another process from the saved history finds the
+same calls:
 
-* session: ``session_id=`` if given, else the Pydantic AI conversation id of the response that
+* session: the Pydantic AI conversation id of the response that
   holds the call (``agent.run(..., conversation_id="ticket-42")`` chooses it; Pydantic AI stores
   it on every message and a resumed run inherits it). Not ``run_id`` (what pydantic-ai PR
   #7531 proposed keying on): a resumed run gets a new one.
@@ -62,6 +86,7 @@ under the same key.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
@@ -83,8 +108,13 @@ try:
         ToolDefinition,
         ToolDenied,
         ToolFailed,
+        UserPromptPart,
     )
     from pydantic_ai.capabilities import AbstractCapability
+    from pydantic_ai.capabilities.abstract import WrapModelRequestHandler, WrapRunHandler
+    from pydantic_ai.messages import ModelMessagesTypeAdapter
+    from pydantic_ai.models import ModelRequestContext
+    from pydantic_ai.run import AgentRunResult
     from pydantic_ai.toolsets import AbstractToolset, ToolsetTool, WrapperToolset
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -105,13 +135,15 @@ from dex_tasks import (
     EffectClass,
     InvalidArgumentError,
     ToolCallRecord,
+    ToolCallRequest,
     ToolSpec,
+    Turn,
     UnknownToolError,
     idempotency_key,
     key_part,
 )
 
-__all__ = ["ApprovalPendingError", "DexCapability", "dex_deferred_results"]
+__all__ = ["ApprovalPendingError", "DexCapability", "TurnInProgressError", "dex_deferred_results"]
 
 # Ids dex-tasks accepts (dex_tasks/limits.py): at most 200 characters, no "/".
 _ID_MAX = 200
@@ -134,6 +166,20 @@ class ApprovalPendingError(DexError):
         super().__init__(f"{len(records)} tool call(s) still wait for a person's decision: "
                          f"{waiting}; resume after resolve_interrupt has decided them")
         self.records = list(records)
+
+
+class TurnInProgressError(DexError):
+    """A run with a new input was started on a session whose durable turn is still open.
+
+    The input was queued as a user message of the session (delivered when that turn ends), as
+    the seeds' sessions do; finish the open turn first: run its own input again (``turn``).
+    """
+
+    def __init__(self, session_id: str, turn: Turn) -> None:
+        super().__init__(f"session {session_id!r} has an open turn ({turn.turn_id!r}, begun with "
+                         f"{turn.input!r}): the new input was queued for after it; run the open "
+                         "turn's input again to finish it")
+        self.turn = turn
 
 
 # -- ids ----------------------------------------------------------------------------------------
@@ -186,6 +232,86 @@ def _metadata(record: ToolCallRecord) -> dict[str, Any]:
             "dex_interrupt_id": record.interrupt_id, "dex_tool": record.tool}
 
 
+# -- durable turns ------------------------------------------------------------------------------
+
+
+def _begins_turn(message: ModelMessage) -> bool:
+    return isinstance(message, ModelRequest) and any(
+        isinstance(part, UserPromptPart) for part in message.parts)
+
+
+def _position(messages: Sequence[ModelMessage], upto: int | None = None) -> int:
+    """The step of the turn a model response at ``messages[upto]`` has (default: the next
+    response, after ``messages``): how many responses follow the turn's user prompt."""
+    end = len(messages) if upto is None else upto
+    position = 0
+    for message in messages[:end]:
+        if _begins_turn(message):
+            position = 0
+        elif isinstance(message, ModelResponse):
+            position += 1
+    return position
+
+
+def _step_call_id(position: int, tool_call_id: str) -> str:
+    """The dex tool-call id of a model's call in step ``position`` of a durable turn. The step
+    is part of it because fake models reuse call ids from one response to the next; both
+    come from the journaled response, so a replay gives the same keys."""
+    return _fit_id(f"{position}.{tool_call_id}")
+
+
+def _input_text(prompt: object, messages: Sequence[ModelMessage]) -> str:
+    """The input that begins (or continues) a run's turn: the run's user prompt, else the last
+    user prompt of the history it resumes."""
+    if prompt is None:
+        for message in reversed(messages):
+            if isinstance(message, ModelRequest):
+                parts = [p for p in message.parts if isinstance(p, UserPromptPart)]
+                if parts:
+                    prompt = parts[-1].content
+                    break
+    if prompt is None:
+        raise DexError("a durable turn needs an input: the run has no user prompt and its "
+                       "message history none either")
+    if isinstance(prompt, str):
+        return prompt
+    return json.dumps(to_jsonable_python(prompt), sort_keys=True)
+
+
+def _dump(response: ModelResponse) -> str:
+    return ModelMessagesTypeAdapter.dump_json([response]).decode()
+
+
+def _load(text: str) -> ModelResponse:
+    [message] = ModelMessagesTypeAdapter.validate_json(text)
+    if not isinstance(message, ModelResponse):
+        raise DexError("a journaled step holds no Pydantic AI model response")
+    return message
+
+
+def _text_of(response: ModelResponse) -> str | None:
+    return response.text or None
+
+
+def _answer_text(output: object) -> str:
+    if isinstance(output, str) and output.strip():
+        return output
+    return json.dumps(to_jsonable_python(output), sort_keys=True)
+
+
+@dataclass
+class _Journal:
+    """One run's durable turn: where its steps go, and the calls of the latest step."""
+
+    session_id: str
+    turn: Turn
+    # The records of the latest step's calls, by the model's tool-call id.
+    records: dict[str, ToolCallRecord] = field(default_factory=dict)
+    # A response without tool calls, journaled only if the run asks the model again (a retry):
+    # the final answer is the turn's end instead (end_turn), not a step.
+    held: tuple[int, ModelResponse] | None = None
+
+
 # -- the capability -----------------------------------------------------------------------------
 
 
@@ -207,13 +333,9 @@ class _DexToolset(WrapperToolset[Any]):
     """The agent's toolset plus the catalog's tools; calls of catalog tools go to dex-tasks."""
 
     capability: DexCapability = field(kw_only=True)
-    catalog: _RunCatalog = field(default_factory=_RunCatalog, kw_only=True)
 
     async def _catalog(self) -> dict[str, ToolSpec]:
-        if self.catalog.tools is None:
-            specs = await self.capability.client.list_tools(self.capability.default_effect)
-            self.catalog.tools = {spec.name: spec for spec in specs}
-        return self.catalog.tools
+        return await self.capability._catalog_tools()
 
     async def get_tools(self, ctx: RunContext[Any]) -> dict[str, ToolsetTool[Any]]:
         tools = dict(await self.wrapped.get_tools(ctx))
@@ -304,13 +426,100 @@ class DexCapability(AbstractCapability[Any]):
         self.default_effect = default_effect
         self.id = id
 
+        self._catalog = _RunCatalog()
+        self._journal: _Journal | None = None
+
     @classmethod
     def get_serialization_name(cls) -> str | None:
         return None  # holds a client: not part of an agent spec
 
+    async def for_run(self, ctx: RunContext[Any]) -> AbstractCapability[Any]:
+        """A copy per run: the catalog is read, and the durable turn kept, per run."""
+        run = copy.copy(self)
+        run._catalog = _RunCatalog()
+        run._journal = None
+        return run
+
     def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any]:
         """Wrap the agent's assembled toolset, once per run (the catalog is read per run)."""
         return _DexToolset(toolset, capability=self)
+
+    async def _catalog_tools(self) -> dict[str, ToolSpec]:
+        if self._catalog.tools is None:
+            specs = await self.client.list_tools(self.default_effect)
+            self._catalog.tools = {spec.name: spec for spec in specs}
+        return self._catalog.tools
+
+    async def wrap_run(self, ctx: RunContext[Any], *, handler: WrapRunHandler) -> Any:
+        """With ``session_id``: begin the session's durable turn with the run's input, or
+        continue the one a killed process left open; end it when the run ends with an answer
+        (a run that pauses on deferred calls leaves it open)."""
+        if self.session_id is None:
+            return await handler()
+        text = _input_text(ctx.prompt, ctx.messages)
+        turn = await self.client.begin_turn(self.session_id, text)
+        if turn.queued_input:
+            raise TurnInProgressError(self.session_id, turn)
+        self._journal = _Journal(self.session_id, turn)
+        result: AgentRunResult[Any] = await handler()
+        if not isinstance(result.output, DeferredToolRequests):
+            held = self._journal.held
+            await self.client.end_turn(self.session_id, turn.turn_id, _answer_text(result.output),
+                                       response=None if held is None else _dump(held[1]))
+        return result
+
+    async def wrap_model_request(self, ctx: RunContext[Any], *,
+                                 request_context: ModelRequestContext,
+                                 handler: WrapModelRequestHandler) -> ModelResponse:
+        """In a durable turn: replay the journaled response of this step instead of asking the
+        model; otherwise ask it, and journal the response with its calls (``record_step``)
+        before any of them is sent."""
+        journal = self._journal
+        if journal is None:
+            return await handler(request_context)
+        position = _position(request_context.messages)
+        turn = journal.turn
+        if journal.held is not None and journal.held[0] < position:
+            # The model is asked again after a response without tools (an output retry):
+            # that response was a step after all.
+            held_at, held = journal.held
+            journal.held = None
+            await self._record(journal, held_at, held)
+        step = turn.step(position)
+        if step is not None:
+            response = _load(step.response)
+            journal.records = {}
+            by_id = {record.tool_call_id: record for record in step.calls}
+            for part in response.tool_calls:
+                record = by_id.get(_step_call_id(position, part.tool_call_id))
+                if record is not None:
+                    journal.records[part.tool_call_id] = record
+            if any(r.status is CallStatus.QUEUED for r in step.calls):
+                # Recording the step again sends a call whose recorder died before its publish.
+                await self._record(journal, position, response)
+            return response
+        response = await handler(request_context)
+        if response.tool_calls:
+            await self._record(journal, position, response)
+        else:
+            journal.records = {}
+            journal.held = (position, response)
+        return response
+
+    async def _record(self, journal: _Journal, position: int, response: ModelResponse) -> None:
+        """Journal ``response`` as step ``position`` with its calls of catalog tools."""
+        catalog = await self._catalog_tools()
+        requests = [ToolCallRequest(tool_call_id=_step_call_id(position, part.tool_call_id),
+                                    tool=part.tool_name,
+                                    arguments=to_jsonable_python(part.args_as_dict()))
+                    for part in response.tool_calls if part.tool_name in catalog]
+        records = await self.client.record_step(
+            journal.session_id, journal.turn.turn_id, position, _dump(response), requests,
+            text=_text_of(response), default_effect=self.default_effect)
+        by_id = {record.tool_call_id: record for record in records}
+        journal.records = {part.tool_call_id: by_id[_step_call_id(position, part.tool_call_id)]
+                           for part in response.tool_calls
+                           if _step_call_id(position, part.tool_call_id) in by_id}
 
     async def deferred_results(
         self, paused: DeferredToolRequests | Sequence[ModelMessage]
@@ -322,17 +531,12 @@ class DexCapability(AbstractCapability[Any]):
         """One tool call through dex-tasks: record it (or find it), then wait for its end."""
         if ctx.tool_call_id is None:
             raise DexError(f"Pydantic AI called {tool!r} without a tool_call_id")
-        response = _holding_response(ctx.messages, ctx.tool_call_id)
-        session, turn, call = _call_key(self.session_id, response, ctx.tool_call_id,
-                                        ctx.conversation_id)
-        try:
-            record = await self.client.call_tool(
-                session_id=session, turn_id=turn, tool_call_id=call, tool=tool,
-                arguments=to_jsonable_python(arguments), default_effect=self.default_effect,
-            )
-        except UnknownToolError as err:
-            # Unpublished since this run read the catalog: nothing ran, the model can adapt.
-            raise ToolFailed(f"{TOOL_DID_NOT_RUN}: {err}") from None
+        journal = self._journal
+        record = None if journal is None else journal.records.get(ctx.tool_call_id)
+        if record is not None and record.status is CallStatus.AWAITING_APPROVAL:
+            record = await self.client.get_tool_call(record.key)  # decided since it was read?
+        if record is None:
+            record = await self._call(ctx, tool, arguments)
         if record.status is CallStatus.AWAITING_APPROVAL:
             raise ApprovalRequired(metadata=_metadata(record))
         try:
@@ -343,7 +547,34 @@ class DexCapability(AbstractCapability[Any]):
             raise CallDeferred(metadata=_metadata(record)) from None
         if record.status is CallStatus.SUCCEEDED:
             return record.result
-        raise ToolFailed(record.error or f"the tool call ended {record.status.value}")
+        error = record.error or f"the tool call ended {record.status.value}"
+        if record.status is CallStatus.OUTCOME_UNKNOWN and record.key not in error:
+            error += f" The call's idempotency key is {record.key}."
+        raise ToolFailed(error)
+
+    async def _call(self, ctx: RunContext[Any], tool: str,
+                    arguments: dict[str, Any]) -> ToolCallRecord:
+        """Record the call (or find it) under its key: in a durable turn, that of the step
+        holding it (a call of a resumed history's response, not journaled by this run);
+        otherwise built from the response (see the module docstring)."""
+        assert ctx.tool_call_id is not None
+        response = _holding_response(ctx.messages, ctx.tool_call_id)
+        journal = self._journal
+        if journal is not None:
+            at = max(i for i, m in enumerate(ctx.messages) if m is response)
+            session, turn = journal.session_id, journal.turn.turn_id
+            call = _step_call_id(_position(ctx.messages, at), ctx.tool_call_id)
+        else:
+            session, turn, call = _call_key(self.session_id, response, ctx.tool_call_id,
+                                            ctx.conversation_id)
+        try:
+            return await self.client.call_tool(
+                session_id=session, turn_id=turn, tool_call_id=call, tool=tool,
+                arguments=to_jsonable_python(arguments), default_effect=self.default_effect,
+            )
+        except UnknownToolError as err:
+            # Unpublished since this run read the catalog: nothing ran, the model can adapt.
+            raise ToolFailed(f"{TOOL_DID_NOT_RUN}: {err}") from None
 
 
 # -- resuming -----------------------------------------------------------------------------------
@@ -392,8 +623,16 @@ async def dex_deferred_results(
         if found is not None:
             response, call_ids = found
             fitted = None if session_id is None else _fit_id(session_id)
+            # With a session, the capability ran a durable turn: the calls are keyed by the
+            # open turn and the step of the response that holds them.
+            turn = None if fitted is None else await aclient.open_turn(fitted)
             for call_id in call_ids:
-                keys[call_id] = idempotency_key(*_call_key(fitted, response, call_id))
+                if fitted is not None and turn is not None:
+                    at = max(i for i, m in enumerate(paused) if m is response)
+                    keys[call_id] = idempotency_key(
+                        fitted, turn.turn_id, _step_call_id(_position(paused, at), call_id))
+                else:
+                    keys[call_id] = idempotency_key(*_call_key(fitted, response, call_id))
 
     results = DeferredToolResults()
     waiting: list[ToolCallRecord] = []

@@ -249,6 +249,52 @@ def api(
 
 
 @app.command()
+def mcp(
+    http: bool = typer.Option(False, "--http", help="Serve streamable HTTP instead of stdio."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on (--http)."),
+    port: int = typer.Option(8765, "--port", min=1, max=65535, help="TCP port (--http)."),
+    session: str | None = typer.Option(
+        None, "--session", envvar="DEX_MCP_SESSION",
+        help="The dex session of stdio calls (and of operator tokens' calls naming none)."),
+    approval_timeout: float = typer.Option(
+        60.0, "--approval-timeout", callback=lambda v: positive_seconds(v),
+        help="Seconds a call waits for a person before it answers that it awaits approval."),
+    call_timeout: float = typer.Option(
+        120.0, "--call-timeout", callback=lambda v: positive_seconds(v),
+        help="Seconds a call waits for its tool before it answers that it still runs."),
+    page_url: str | None = typer.Option(
+        None, "--page-url", envvar="DEX_MCP_PAGE_URL",
+        help="The API's public address, for the approval page's link in results."),
+    loglevel: str = typer.Option("WARNING", "--loglevel", "-l"),
+    log_format: str = LOG_FORMAT_OPTION,
+) -> None:
+    """Serve the published tools as an MCP server (stdio, or streamable HTTP with tokens)."""
+    # Loaded by name, as --tools modules are: the core never imports an integration (nor the
+    # mcp SDK); without the extra the import fails with the one line that names it.
+    try:
+        mcp_server = importlib.import_module("dex_tasks.integrations.mcp_server")
+    except ImportError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    from dex_tasks.agent.async_client import AsyncDexClient
+
+    settings = DexSettings()
+    # Logs go to stderr: on stdio, stdout is the MCP channel.
+    setup_process_logging(log_format, loglevel, _secret_or_none(settings), celery=False)
+    secret = settings.signing_key() if http else None
+    client = AsyncDexClient(settings)
+    dex = mcp_server.DexMCPServer(client, session_id=session, approval_timeout=approval_timeout,
+                                  call_timeout=call_timeout, page_url=page_url)
+    try:
+        if secret is not None:
+            mcp_server.serve_http(dex, secret, host=host, port=port, log_level=loglevel.lower())
+        else:
+            mcp_server.run_stdio(dex)
+    finally:
+        client.sync.close()
+
+
+@app.command()
 def demo(
     keep_running: bool = typer.Option(
         False, "--keep-running",
@@ -580,7 +626,8 @@ def prune(
     store = Store(settings.database_url)
     try:
         store.create_all()
-        result = run_prune(store, seconds, batch=batch or settings.prune_batch)
+        result = run_prune(store, seconds, batch=batch or settings.prune_batch,
+                           on_pruned=_forget_claims(settings))
     finally:
         store.close()
     typer.echo(
@@ -592,6 +639,26 @@ def prune(
     if result.kept_unreported or result.kept_open_turn:
         typer.echo(f"kept {result.kept_unreported} outcome_unknown calls not yet reported and "
                    f"{result.kept_open_turn} calls of turns still open")
+
+
+def _forget_claims(settings: DexSettings) -> Callable[[list[str]], None]:
+    """What prune does with the keys of the single-attempt calls it deleted: delete their Redis
+    claims (best effort: unreachable Redis only keeps them until their TTL; the tombstones
+    in the store are what keeps a replay from running)."""
+    from dex_tasks.broker.redis_clients import redis_client
+    from dex_tasks.worker import claims
+
+    client = redis_client(settings, socket_timeout=5)
+
+    def forget(keys: list[str]) -> None:
+        try:
+            claims.forget(client, keys)
+        except Exception as err:  # noqa: BLE001 - the claims expire on their own
+            logging.getLogger("dex_tasks").warning(
+                "could not delete the Redis claims of pruned calls: %s", err,
+                extra={"action": "prune_claims_error", "count": len(keys)})
+
+    return forget
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,6 +14,8 @@ from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
+from dex_tasks.errors import PrunedCallError
+from dex_tasks.policy import EffectClass
 from dex_tasks.states import CallStatus
 from dex_tasks.store.base import StoreBase
 from dex_tasks.store.models import CallEventRow, CatalogRow, ToolCallRow
@@ -24,6 +26,7 @@ from dex_tasks.store.tables import (
     INSERT_CALL,
     INSERT_EVENT,
     INSERT_INTERRUPT,
+    pruned_keys,
 )
 
 _GET_CALL = select(CALLS).where(CALLS.c.key == bindparam("get_key"))
@@ -55,6 +58,17 @@ def requested_event(row: Mapping[str, Any],
 
 
 
+def _refuse_pruned(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
+    """:class:`PrunedCallError` if a new single-attempt call's key is a pruned one's that ran
+    (its tombstone, ``tables.PRUNED_EVENT``): it would run again. Retrying calls (reads and
+    idempotent writes) may run again, and are not looked up."""
+    keys = [r["key"] for r in rows if not EffectClass(r["effect"]).retrying]
+    if keys:
+        pruned = conn.execute(pruned_keys(keys)).scalars().first()
+        if pruned is not None:
+            raise PrunedCallError(pruned)
+
+
 class Calls(StoreBase):
     """Inserts and reads of :class:`~dex_tasks.store.Store`."""
 
@@ -74,6 +88,7 @@ class Calls(StoreBase):
         def attempt(conn: Connection, n: int) -> None:
             nonlocal tries
             tries = n
+            _refuse_pruned(conn, [row])
             conn.execute(INSERT_CALL, dict(row))
             if interrupt is not None:
                 conn.execute(INSERT_INTERRUPT, dict(interrupt))
@@ -114,6 +129,7 @@ class Calls(StoreBase):
             nonlocal tries
             tries = n
             if rows:
+                _refuse_pruned(conn, rows)
                 conn.execute(INSERT_CALL, [dict(r) for r in rows])
                 if interrupts:
                     conn.execute(INSERT_INTERRUPT, [dict(i) for i in interrupts])

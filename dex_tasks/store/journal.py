@@ -171,9 +171,8 @@ def begin_turn(conn: Connection, session_id: str, input_text: str, turn_id: str,
                                    "text": input_text, "turn_id": turn_id,
                                    "status": "delivered", "created_at": now,
                                    "delivered_at": now})
-    begun = get_turn(conn, session_id, turn_id)
-    assert begun is not None
-    return begun
+    return Turn(session_id=session_id, turn_id=turn_id, input=input_text, status=OPEN,
+                created_at=_dt(now))
 
 
 def _ensure_open(conn: Connection, session_id: str, turn_id: str, now: float) -> None:
@@ -195,10 +194,11 @@ def insert_step(conn: Connection, session_id: str, turn_id: str, step: int, resp
     calls). The step must be the turn's next one; a concurrent insert of the same step fails
     on the unique index (``IntegrityError``), and the caller reads the winner's."""
     lock_session_messages(conn, session_id)
-    _ensure_open(conn, session_id, turn_id, now)
     taken = conn.execute(select(MESSAGES.c.step).where(
         MESSAGES.c.session_id == session_id, MESSAGES.c.turn_id == turn_id,
         MESSAGES.c.step.is_not(None))).scalars().all()
+    if step not in taken:  # (a step taken: the insert below fails on the index, see above)
+        _ensure_open(conn, session_id, turn_id, now)
     if step != len(taken) and step not in taken:
         raise InvalidArgumentError(
             f"step {step} of turn {turn_key(session_id, turn_id)!r} cannot be journaled: the "

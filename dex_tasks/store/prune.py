@@ -3,7 +3,8 @@
 ``dex-tasks prune --older-than 30d`` (:func:`prune`) deletes, with a cutoff of now minus the age:
 
 * every terminal call that finished before the cutoff, with its events, its interrupt and its
-  tool message, except
+  tool message (a single-attempt call that ran leaves a tombstone event under its key, so a
+  replay under the same ids is refused rather than run again), except
 
   - an ``outcome_unknown`` call that no user message of its session names yet: reconciliation
     still needs it (the rule of ``transcript.py``: a call is reported once a user message names
@@ -31,7 +32,7 @@ import logging
 import re
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -40,8 +41,10 @@ from sqlalchemy import Select, delete, exists, or_, select, tuple_
 from sqlalchemy.engine import Connection
 
 from dex_tasks.errors import InvalidArgumentError
+from dex_tasks.policy import EffectClass
 from dex_tasks.states import TERMINAL, CallStatus, MessageRole
 from dex_tasks.store import CALLS, EVENTS, INTERRUPTS, MESSAGES, Store
+from dex_tasks.store.tables import INSERT_EVENT, PRUNED_EVENT, PRUNED_SESSION
 from dex_tasks.store.transcript import QUEUED, named_keys, names_key
 
 log = logging.getLogger("dex_tasks.store.prune")
@@ -86,19 +89,27 @@ class PruneResult:
     batches: int = 0
     """Write transactions run."""
     longest_batch_seconds: float = 0.0
+    tombstones: int = 0
+    """Single-attempt calls that ran and were deleted, whose keys are kept so that a replay
+    under the same ids is refused (``PrunedCallError``), never run again."""
 
 
 def prune(store: Store, older_than: float, *, batch: int = DEFAULT_BATCH,
-          now: float | None = None) -> PruneResult:
+          now: float | None = None,
+          on_pruned: Callable[[list[str]], None] | None = None) -> PruneResult:
     """Delete what finished (or was written) more than ``older_than`` seconds before ``now``
-    (see the module docstring); at most ``batch`` calls or messages per transaction."""
+    (see the module docstring); at most ``batch`` calls or messages per transaction.
+
+    ``on_pruned(keys)`` is given the single-attempt calls each batch deleted, after its
+    commit (``dex-tasks prune`` deletes their Redis claims: their tombstones keep them from
+    running again)."""
     if older_than <= 0:
         raise InvalidArgumentError(f"older_than must be above zero, got {older_than!r}")
     if batch < 1:
         raise InvalidArgumentError(f"batch must be at least 1, got {batch!r}")
     result = PruneResult(cutoff=(time.time() if now is None else now) - older_than)
     for status in _TERMINAL:
-        _prune_calls(store, status, batch, result)
+        _prune_calls(store, status, batch, result, on_pruned)
     _prune_messages(store, batch, result)
     log.info("pruned", extra={"action": "prune", "cutoff": result.cutoff,
                               "calls": result.calls, "events": result.events,
@@ -132,7 +143,8 @@ def candidates(status: str, cutoff: float, after: tuple[float, str] | None,
     return page.order_by(CALLS.c.finished_at, CALLS.c.key).limit(batch)
 
 
-def _prune_calls(store: Store, status: str, batch: int, result: PruneResult) -> None:
+def _prune_calls(store: Store, status: str, batch: int, result: PruneResult,
+                 on_pruned: Callable[[list[str]], None] | None) -> None:
     """Page through :func:`candidates`; one write transaction per page."""
     after: tuple[float, str] | None = None
     while True:
@@ -148,28 +160,46 @@ def _prune_calls(store: Store, status: str, batch: int, result: PruneResult) -> 
                 named = named_keys(conn, pairs)
                 keys = [key for key in keys if key in named]
                 result.kept_unreported += len(pairs) - len(keys)
-            if keys:
-                _delete_calls(conn, keys, result)
+            single = _delete_calls(conn, keys, result) if keys else []
+        if single and on_pruned is not None:
+            on_pruned(single)
         if len(rows) < batch:
             return
 
 
-def _delete_calls(conn: Connection, keys: Sequence[str], result: PruneResult) -> None:
-    deleted = list(conn.execute(
+def _delete_calls(conn: Connection, keys: Sequence[str], result: PruneResult) -> list[str]:
+    """Delete the calls ``keys`` still prunable, with their rows; returns the keys of the
+    single-attempt calls among them (whose Redis claims can go now)."""
+    rows = conn.execute(
         delete(CALLS)
         .where(CALLS.c.key.in_(keys), CALLS.c.status.in_(_TERMINAL),
                CALLS.c.finished_at < result.cutoff, ~_TURN_OPEN)
-        .returning(CALLS.c.key)
-    ).scalars())
+        .returning(CALLS.c.key, CALLS.c.effect, CALLS.c.attempts, CALLS.c.status)
+    ).all()
+    deleted = [row.key for row in rows]
     result.kept_open_turn += len(keys) - len(deleted)
     if not deleted:
-        return
+        return []
     result.calls += len(deleted)
-    result.events += _count(conn.execute(delete(EVENTS).where(EVENTS.c.key.in_(deleted))))
+    result.events += _count(conn.execute(delete(EVENTS).where(
+        EVENTS.c.key.in_(deleted), EVENTS.c.event != PRUNED_EVENT)))
+    # A single-attempt call that ran leaves a tombstone: a replay under the same ids would
+    # otherwise be a new call, and run again once its Redis claim is gone (or end "did not
+    # run" although it ran while the claim lasts). One that never reached the tool needs none.
+    single = [row for row in rows if not EffectClass(row.effect).retrying]
+    ran = [row for row in single if row.attempts > 0]
+    if ran:
+        now = time.time()
+        conn.execute(INSERT_EVENT, [
+            {"session_id": PRUNED_SESSION, "key": row.key, "event": PRUNED_EVENT,
+             "from_status": row.status, "to_status": row.status, "detail": None,
+             "created_at": now} for row in ran])
+        result.tombstones += len(ran)
     result.interrupts += _count(conn.execute(
         delete(INTERRUPTS).where(INTERRUPTS.c.key.in_(deleted))))
     result.tool_messages += _count(conn.execute(
         delete(MESSAGES).where(MESSAGES.c.key.in_(deleted))))
+    return [row.key for row in single]
 
 
 # -- user and assistant messages ------------------------------------------------------------------

@@ -78,6 +78,15 @@ INSERT_EVENT_QUEUED = INSERT_EVENT.returning(
                    MESSAGES.c.session_id == bindparam("queued_session")).label("queued"))
 INSERT_MESSAGE = insert(MESSAGES)
 STORE_NOW = select(store_now())
+# A pruned single-attempt call that ran leaves this event under its key (and no session, so no
+# session's event stream lists it): ``prune.py`` writes it, a new call under the key is refused.
+PRUNED_EVENT = "call_pruned"
+PRUNED_SESSION = ""
+
+
+def pruned_keys(keys: Any) -> Any:
+    """The tombstones among ``keys`` (see :data:`PRUNED_EVENT`), a lookup of the key index."""
+    return select(EVENTS.c.key).where(EVENTS.c.key.in_(keys), EVENTS.c.event == PRUNED_EVENT)
 
 def bound(column: str, value: Any) -> Any:
     """``value`` as a typed bound parameter of ``column`` (NULL for None)."""

@@ -1,8 +1,10 @@
 """Redis claims: the fast path in front of the store's claim of a single-attempt call.
 
-A claim is ``SET dex:claim:<key> <owner> NX EX <ttl>``. It is never deleted: a key that ran is
-never run again, so there is nothing to release. The store's compare-and-set stays the
-authority; the claim only keeps duplicate deliveries from reaching the store at all.
+A claim is ``SET dex:claim:<key> <owner> NX EX <ttl>``. It is not released while its call is in
+the store: a key that ran is never run again. The store's compare-and-set stays the authority;
+the claim only keeps duplicate deliveries from reaching the store at all. ``dex-tasks prune``
+deletes the claims of the calls it deletes (:func:`forget`): their tombstones in the store
+keep them from running again, and a claim costs Redis memory for its whole TTL.
 
 The claim is made after the message was acknowledged, so a claim that fails loses the message:
 it is tried again on fresh connections for a while first (a connection that a partition
@@ -79,3 +81,10 @@ def read_claim(client: redis.Redis, idempotency_key: str) -> dict[str, Any] | No
     except ValueError:
         return {"owner": "?", "at": 0.0}
     return data if isinstance(data, dict) else {"owner": "?", "at": 0.0}
+
+
+def forget(client: redis.Redis, idempotency_keys: list[str]) -> int:
+    """Delete the claims of pruned calls; returns how many existed."""
+    if not idempotency_keys:
+        return 0
+    return int(client.delete(*(claim_key(key) for key in idempotency_keys)))

@@ -90,11 +90,19 @@ def reap_expired_leases(rt: Runtime, now: float | None = None, *,
     #
     # The price: a dead worker's calls are reaped ``settle`` seconds later, and the probe
     # costs one write transaction, both only when some lease has run out.
+    #
+    # 4. A forward step of the store's clock (an NTP correction, a VM resumed) makes every
+    #    lease look expired at once. The reaper reads the store's clock on each run and
+    #    compares its advance with that of its own monotonic clock (``_ClockWatch``); when the
+    #    store's ran ahead, or this process has no earlier reading to compare with, it waits a
+    #    whole renewal interval instead of ``settle``: every live worker renews in that time,
+    #    and rule 1 turns the reaps of their calls away.
+    suspect = now is None and _clock_watch.stepped(rt)
     expired = rt.store.expired_leases(now)
     if not expired:
         return 0
     rt.store.writable_at()
-    time.sleep(settle)
+    time.sleep(max(settle, _renewal_grace(rt)) if suspect else settle)
     stamp = time.time()
     moves: dict[str, tuple[ToolCallRow, Move]] = {}
     for call in expired:
@@ -112,6 +120,45 @@ def reap_expired_leases(rt: Runtime, now: float | None = None, *,
         with _one_row("reap_expired_leases", key):
             after_lost_attempt(rt, call, move, republish=True)
     return len(moved)
+
+
+def _renewal_grace(rt: Runtime) -> float:
+    """How long every live worker takes at most to renew its leases: its renewal interval
+    (``hooks.LeaseRenewer``) and the reaper's settle time."""
+    return max(0.2, rt.settings.lease_seconds / 3) + LEASE_SETTLE_SECONDS
+
+
+# How far the store's clock may run ahead of the reaper's monotonic clock between two of its
+# runs before the reaper takes it for a step (latency and drift stay far below this).
+CLOCK_STEP_TOLERANCE = 1.0
+
+
+class _ClockWatch:
+    """The store's clock as the reaper last read it, against this process's monotonic clock,
+    per store."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.seen: dict[str, tuple[float, float]] = {}
+
+    def stepped(self, rt: Runtime) -> bool:
+        """True if the store's clock ran ahead since the last reading (or there was none)."""
+        store_time, mono = rt.store.store_time(), time.monotonic()
+        with self.lock:
+            last = self.seen.get(rt.settings.database_url)
+            self.seen[rt.settings.database_url] = (store_time, mono)
+        if last is None:
+            return True
+        ahead = (store_time - last[0]) - (mono - last[1])
+        if ahead > CLOCK_STEP_TOLERANCE:
+            log.warning("the store's clock stepped forward; the reaper waits a renewal "
+                        "interval before it reaps", extra={"action": "store_clock_step",
+                                                           "seconds": round(ahead, 3)})
+            return True
+        return False
+
+
+_clock_watch = _ClockWatch()
 
 
 @contextmanager
