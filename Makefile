@@ -42,5 +42,10 @@ bench:
 ## make chaos: the long chaos run (thousands of mixed calls, SIGKILLed workers, a Redis crash);
 ## prints its figures and fails on any broken guarantee. CHAOS_ARGS="--database-url ..." etc.
 CHAOS_ARGS ?=
+## Then the network partitions of issue 19 (chaos/partitions.py; root, iproute2, iptables,
+## PostgreSQL): hosts in network namespaces, silent drops, production timings. PARTITION_ARGS
+## e.g. "--scenario P1".
+PARTITION_ARGS ?=
 chaos:
 	$(PY) -m chaos --calls 3000 --workers 3 --duration 120 $(CHAOS_ARGS)
+	$(PY) -m chaos.partitions $(PARTITION_ARGS)

@@ -66,6 +66,12 @@ class DexSettings(BaseSettings):
         default=300.0, gt=0,
         description="A queued call with no delivery for this long is republished.",
     )
+    republish_lost_after_seconds: float = Field(
+        default=15.0, gt=0,
+        description="A queued call whose message Redis no longer holds (in no queue, not "
+        "unacknowledged, not claimed: lost in transit to a host a partition cut off) is "
+        "republished once it is this old, instead of after republish_after_seconds.",
+    )
     visibility_timeout_seconds: int = Field(
         default=3600, gt=0,
         description="Redis transport visibility timeout; must exceed the longest task.",

@@ -342,6 +342,9 @@ class DexClient:
             # compare-and-set race: exactly one wins, and the record says which.
             error = (f"{TOOL_DID_NOT_RUN}: the broker could not be reached "
                      f"({type(err).__name__}: {err})")
+            # call_tool returns within DEX_PUBLISH_TIMEOUT_SECONDS: announcing these ends
+            # would wait on the same unreachable Redis again (issue 19, P4).
+            self._notifier.hold_off()
             with self.store.write() as conn:
                 for call in calls:
                     self.store.transition(

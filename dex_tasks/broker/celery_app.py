@@ -48,6 +48,11 @@ def create_app(settings: DexSettings, *, publisher: bool = False) -> Celery:
         "visibility_timeout": settings.visibility_timeout_seconds,
         "socket_connect_timeout": settings.publish_timeout_seconds,
         "socket_timeout": max(5.0, settings.publish_timeout_seconds),
+        # An app that only publishes splits DEX_PUBLISH_TIMEOUT_SECONDS over publish()'s two
+        # tries: with a 5 s socket timeout, a pooled connection into a silent network made
+        # call_tool wait 2 x 5 s (issue 19, P4). Workers keep the longer one for consuming.
+        **({"socket_connect_timeout": settings.publish_timeout_seconds / 3,
+            "socket_timeout": settings.publish_timeout_seconds / 3} if publisher else {}),
         "socket_keepalive": True,
         "socket_keepalive_options": keepalive_options(),
         "health_check_interval": 10,

@@ -105,6 +105,11 @@ class EndedNotifier:
             self._client = client
         return self._client
 
+    def hold_off(self, seconds: float = QUIET_AFTER_ERROR_SECONDS) -> None:
+        """Announce nothing for ``seconds``: the caller just found Redis unreachable (a
+        publish failed), so the calls it now ends must not wait on Redis a second time."""
+        self._quiet_until = max(self._quiet_until, time.monotonic() + seconds)
+
     def __call__(self, ended: Sequence[EndedCall]) -> None:
         if not ended or time.monotonic() < self._quiet_until:
             return

@@ -221,3 +221,46 @@ def _is_ours(entry: bytes | None) -> bool:
     except (ValueError, TypeError):
         return False
     return isinstance(routing_key, str) and routing_key.startswith(DEX_QUEUE_PREFIX)
+
+
+# kombu's hash of the messages workers received and have not acknowledged (its default name).
+UNACKED_KEY = "unacked"
+# A queue longer than this is not searched: a call's message may well be waiting in it.
+SEARCH_QUEUE_LIMIT = 1000
+
+
+class MessageSearch:
+    """Whether Redis still holds a queued call's message: in its queue, or in kombu's unacked
+    hash (received by a worker, not acknowledged). Each is read at most once per search.
+
+    A message that a worker's ``BRPOP`` took off its queue just as a partition cut that worker
+    off is in neither: Redis removed it and the worker never got it (kombu records a message
+    as unacked only once it has arrived). Only a republish brings such a call back. A message
+    is found by its call's key, which Celery writes in plain text in its headers (``argsrepr``).
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self._unacked: list[bytes] | None = None
+        self._queues: dict[str, list[bytes] | None] = {}
+
+    def holds(self, queue: str, key: str) -> bool:
+        """True unless the call's message is surely gone (a long queue counts as holding)."""
+        needle = key.encode()
+        try:
+            if self._unacked is None:
+                self._unacked = [_raw(v) for v in self.client.hvals(UNACKED_KEY)]
+            if any(needle in entry for entry in self._unacked):
+                return True
+            if queue not in self._queues:
+                length = int(self.client.llen(queue))
+                self._queues[queue] = (None if length > SEARCH_QUEUE_LIMIT else
+                                       [_raw(m) for m in self.client.lrange(queue, 0, -1)])
+        except redis.RedisError:
+            return True  # cannot tell: the republisher's window applies
+        messages = self._queues[queue]
+        return messages is None or any(needle in m for m in messages)
+
+
+def _raw(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode("utf-8")

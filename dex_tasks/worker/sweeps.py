@@ -200,16 +200,25 @@ def republish_stranded(rt: Runtime, now: float | None = None) -> int:
     """
     now = time.time() if now is None else now
     window = rt.settings.republish_after_seconds
+    lost_after = min(window, rt.settings.republish_lost_after_seconds)
     served = _served_or_none(rt)
     ending: list[Move] = []
     republished: list[str] = []
-    for call in rt.store.stranded_queued(now - window):
+    search = routing.MessageSearch(rt.redis)
+    for call in rt.store.stranded_queued(now - lost_after):
         if served is not None and call.tool not in served:
             # No live worker consumes its queue: a copy would only wait beside the first, and
             # the call ends at its queue deadline (expire_unserved) unless a worker comes.
             continue
         with _one_row("republish_stranded", call.key):
-            send, why = _stranded(rt, call, now, window)
+            if _within(call, now, window) and (_within(call, now, lost_after)
+                                                or search.holds(routing.queue_for(call.tool),
+                                                                call.key)):
+                # Inside its window, a call is sent again only once its message is surely
+                # gone from Redis (lost in transit to a host a partition cut off), never
+                # while it may be waiting in its queue.
+                continue
+            send, why = _stranded(rt, call, now, lost_after)
             if why is not None:
                 ending.append(did_not_run_move(call, why))
             elif send and _republish(rt, call):
@@ -227,14 +236,19 @@ def _served_or_none(rt: Runtime) -> set[str] | None:
         return None
 
 
+def _within(call: ToolCallRow, now: float, window: float) -> bool:
+    """True while ``call``'s last publish is less than its (backed-off) ``window`` old."""
+    backoff = window * (2 ** min(call.republishes, MAX_REPUBLISH_DOUBLINGS))
+    return call.published_at is not None and now - call.published_at < backoff
+
+
 def _stranded(rt: Runtime, call: ToolCallRow, now: float,
               window: float) -> tuple[bool, str | None]:
     """What to do with a stranded call: (send it again?, why it must end "did not run")."""
-    backoff = window * (2 ** min(call.republishes, MAX_REPUBLISH_DOUBLINGS))
     if call.published_at is None:
         if not unsent([call], now):
             return False, None  # its recorder is publishing it
-    elif now - call.published_at < backoff:
+    elif _within(call, now, window):
         return False, None
     if call.expires_at is not None and now > call.expires_at:
         return False, "it expired in the queue before a worker started it"
