@@ -3,6 +3,7 @@
 The public names are re-exported here; see ``DESIGN.md`` for the contract they keep.
 """
 
+from dex_tasks.agent.approvals import ApproverPermissionError, InvalidEditError
 from dex_tasks.agent.async_client import AsyncDexClient
 from dex_tasks.agent.calls import ToolCallRequest, key_part
 from dex_tasks.agent.client import DexClient, idempotency_key
@@ -28,6 +29,7 @@ from dex_tasks.errors import (
 )
 from dex_tasks.policy import EffectClass, InvalidPolicyError, ToolPolicy
 from dex_tasks.registry import Tool, ToolContext, define_tool, tool
+from dex_tasks.rules import ApprovalRule, RuleError, when
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import (
     OUTCOME_UNKNOWN_TOOL_RESULT,
@@ -48,6 +50,7 @@ from dex_tasks.store.records import (
     TurnStep,
 )
 from dex_tasks.tokens import TokenClaims, issue_token, read_token, verify_token
+from dex_tasks.webhooks import WebhookSignatureError, verify_webhook
 
 __all__ = [
     "APPROVAL_DEADLINE_PASSED",
@@ -55,6 +58,8 @@ __all__ = [
     "OUTCOME_UNKNOWN_TOOL_RESULT",
     "TOOL_DID_NOT_RUN",
     "AgentSnapshot",
+    "ApprovalRule",
+    "ApproverPermissionError",
     "AsyncDexClient",
     "CallEvent",
     "CallNotFoundError",
@@ -70,12 +75,14 @@ __all__ = [
     "IllegalTransitionError",
     "InvalidArgumentError",
     "InvalidCallError",
+    "InvalidEditError",
     "InvalidPolicyError",
     "InvalidTokenError",
     "MessageRole",
     "OutcomeUnknownError",
     "PendingInterrupt",
     "PrunedCallError",
+    "RuleError",
     "SchemaOutOfDateError",
     "SessionMessage",
     "StoreUnavailableError",
@@ -92,6 +99,7 @@ __all__ = [
     "TurnConflictError",
     "TurnStep",
     "UnknownToolError",
+    "WebhookSignatureError",
     "define_tool",
     "idempotency_key",
     "issue_token",
@@ -101,4 +109,6 @@ __all__ = [
     "report_unknown_outcomes_sync",
     "tool",
     "verify_token",
+    "verify_webhook",
+    "when",
 ]

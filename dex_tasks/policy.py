@@ -17,6 +17,7 @@ from enum import Enum
 from typing import Any
 
 from dex_tasks.errors import DexError
+from dex_tasks.rules import ApprovalRule, RuleError
 
 
 class EffectClass(str, Enum):
@@ -64,6 +65,28 @@ def seconds(value: float | int | timedelta | None, field: str) -> float | None:
 
 
 @dataclass(frozen=True)
+class ApprovalDecision:
+    """Whether one call waits for a person, and what decided it (kept in its snapshot).
+
+    ``rule`` is the rule's JSON when an :class:`~dex_tasks.rules.ApprovalRule` decided;
+    ``reason`` says why in words; ``error`` is set when the rule could not be evaluated (the
+    call then waits: fail closed).
+    """
+
+    required: bool
+    rule: dict[str, Any] | None = None
+    reason: str | None = None
+    error: str | None = None
+
+    def snapshot(self) -> dict[str, Any] | None:
+        """What the call's policy snapshot keeps (None when no rule decided)."""
+        if self.rule is None:
+            return None
+        return {"rule": self.rule, "required": self.required, "reason": self.reason,
+                "error": self.error}
+
+
+@dataclass(frozen=True)
 class ToolPolicy:
     """How calls of one tool run.
 
@@ -71,16 +94,44 @@ class ToolPolicy:
     a person; ``False`` lets a non-idempotent write run without approval (still at most once).
     ``max_attempts`` only matters on the retrying path; the single-attempt path is always 1.
     ``time_limit`` and ``approval_deadline`` are in seconds.
+
+    ``requires_approval`` may also be an :class:`~dex_tasks.rules.ApprovalRule` (or its JSON):
+    a call waits when the rule holds on its arguments (:meth:`approval_for`). ``approvals=N``
+    asks for N approvals from distinct approvers, each holding ``approver_permission`` in their
+    token when it is set; the first rejection decides. ``webhooks`` are URLs told about this
+    tool's approvals, besides ``DEX_WEBHOOK_URLS``.
     """
 
     effect: EffectClass = EffectClass.UNCLASSIFIED
-    requires_approval: bool | None = None
+    requires_approval: bool | ApprovalRule | None = None
     max_attempts: int | None = None
     time_limit: float | None = None
     approval_deadline: float | None = None
+    approvals: int = 1
+    approver_permission: str | None = None
+    webhooks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "effect", parse_effect(self.effect))
+        rule = self.requires_approval
+        if rule is not None and not isinstance(rule, bool):
+            try:
+                object.__setattr__(self, "requires_approval", ApprovalRule.of(rule))
+            except RuleError as err:
+                raise InvalidPolicyError(f"requires_approval: {err}") from None
+        if isinstance(self.approvals, bool) or not isinstance(self.approvals, int) \
+                or self.approvals < 1:
+            raise InvalidPolicyError(f"approvals must be an integer of at least 1, got "
+                                     f"{self.approvals!r}")
+        if self.approver_permission is not None:
+            check_permission_name(self.approver_permission, "approver_permission")
+        if isinstance(self.webhooks, str):
+            raise InvalidPolicyError("webhooks must be a list of URLs, not one string")
+        urls = tuple(self.webhooks)
+        for url in urls:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise InvalidPolicyError(f"webhooks: {url!r} is not an http(s) URL")
+        object.__setattr__(self, "webhooks", urls)
         if self.max_attempts is not None and self.max_attempts < 1:
             raise InvalidPolicyError(f"max_attempts must be at least 1, got {self.max_attempts}")
         object.__setattr__(self, "time_limit", seconds(self.time_limit, "time_limit"))
@@ -93,7 +144,23 @@ class ToolPolicy:
         """The approval rule in force: the explicit flag, else the effect class default."""
         if self.requires_approval is None:
             return self.effect.approval_by_default
-        return self.requires_approval
+        # A rule: some calls may wait, so callers that cannot look at arguments ask.
+        return bool(self.requires_approval)
+
+    def approval_for(self, arguments: Mapping[str, Any]) -> ApprovalDecision:
+        """Whether a call with these arguments waits for a person, and why.
+
+        A rule that raises makes the call wait (fail closed), with the error in the decision.
+        """
+        rule = self.requires_approval
+        if not isinstance(rule, ApprovalRule):
+            return ApprovalDecision(self.needs_approval)
+        try:
+            required, reason = rule.evaluate(arguments)
+        except RuleError as err:
+            return ApprovalDecision(True, rule.spec, "the rule could not be evaluated, so a "
+                                    "person decides", str(err))
+        return ApprovalDecision(required, rule.spec, reason)
 
     def attempts(self, default: int) -> int:
         """How many attempts a call may use: 1 on the single-attempt path."""
@@ -103,13 +170,22 @@ class ToolPolicy:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe form for the catalog."""
-        return {
+        rule = self.requires_approval
+        data: dict[str, Any] = {
             "effect": self.effect.value,
-            "requires_approval": self.requires_approval,
+            "requires_approval": rule.spec if isinstance(rule, ApprovalRule) else rule,
             "max_attempts": self.max_attempts,
             "time_limit": self.time_limit,
             "approval_deadline": self.approval_deadline,
         }
+        # Only when set: a catalog row of a plain policy stays what older releases read.
+        if self.approvals != 1:
+            data["approvals"] = self.approvals
+        if self.approver_permission is not None:
+            data["approver_permission"] = self.approver_permission
+        if self.webhooks:
+            data["webhooks"] = list(self.webhooks)
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ToolPolicy:
@@ -120,7 +196,21 @@ class ToolPolicy:
             max_attempts=data.get("max_attempts"),
             time_limit=data.get("time_limit"),
             approval_deadline=data.get("approval_deadline"),
+            approvals=data.get("approvals", 1),
+            approver_permission=data.get("approver_permission"),
+            webhooks=tuple(data.get("webhooks") or ()),
         )
+
+
+def check_permission_name(value: Any, field: str = "permission",
+                          error: type[DexError] = InvalidPolicyError) -> str:
+    """``value`` if it can name a permission in a token (letters, digits, ``._:-``, at most 64
+    characters); ``error`` (:class:`InvalidPolicyError`) naming ``field`` otherwise."""
+    if not isinstance(value, str) or not 0 < len(value) <= 64 or not all(
+            c.isascii() and (c.isalnum() or c in "._:-") for c in value):
+        raise error(f"{field} must be 1 to 64 letters, digits or ._:- , got "
+                                 f"{value!r}")
+    return value
 
 
 def effect_from_hints(hints: Mapping[str, Any] | None) -> EffectClass | None:

@@ -16,6 +16,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from dex_tasks.errors import ToolDefinitionError
 from dex_tasks.limits import TOOL_NAME_MAX, check_id, text_problem
 from dex_tasks.policy import EffectClass, ToolPolicy, parse_effect
+from dex_tasks.rules import ApprovalRule
+
+Approval = bool | ApprovalRule | Mapping[str, Any] | None
+"""What ``requires_approval`` takes: a flag, a rule on the arguments (``rules.when``), its JSON."""
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -164,12 +168,15 @@ def tool(
     fn: Callable[..., R] | None = None,
     *,
     effect: EffectClass | str | None = None,
-    requires_approval: bool | None = None,
+    requires_approval: Approval = None,
     name: str | None = None,
     max_attempts: int | None = None,
     time_limit: float | timedelta | None = None,
     approval_deadline: float | timedelta | None = None,
     hints: Mapping[str, Any] | None = None,
+    approvals: int = 1,
+    approver_permission: str | None = None,
+    webhooks: tuple[str, ...] | list[str] = (),
 ) -> Any:
     """Register a function as a tool.
 
@@ -177,12 +184,16 @@ def tool(
     policy is derived when a call is made: from ``hints`` (MCP annotations ``readOnlyHint``,
     ``idempotentHint``, ``destructiveHint``), then from the session's default effect, else
     ``unclassified``. The function takes a :class:`ToolContext` first, then keyword arguments.
+    ``requires_approval`` may be a rule on the arguments (``dex_tasks.rules.when``);
+    ``approvals``, ``approver_permission`` and ``webhooks`` are :class:`ToolPolicy`'s.
     """
 
     def decorate(func: Callable[..., R]) -> Tool[R]:
         tool_name = name or func.__name__
         explicit = _explicit_policy(tool_name, effect, requires_approval, max_attempts,
-                                    time_limit, approval_deadline)
+                                    time_limit, approval_deadline,
+                                    approvals=approvals, approver_permission=approver_permission,
+                                    webhooks=tuple(webhooks))
         registered = Tool(func, name=tool_name, policy=explicit, hints=hints)
         _REGISTRY[tool_name] = registered
         return registered
@@ -199,7 +210,7 @@ def define_tool(
     *,
     description: str | None = None,
     effect: EffectClass | str | None = None,
-    requires_approval: bool | None = None,
+    requires_approval: Approval = None,
     max_attempts: int | None = None,
     time_limit: float | timedelta | None = None,
     approval_deadline: float | timedelta | None = None,
@@ -223,21 +234,29 @@ def define_tool(
 def _explicit_policy(
     tool_name: str,
     effect: EffectClass | str | None,
-    requires_approval: bool | None,
+    requires_approval: Approval,
     max_attempts: int | None,
     time_limit: float | timedelta | None,
     approval_deadline: float | timedelta | None,
+    *,
+    approvals: int = 1,
+    approver_permission: str | None = None,
+    webhooks: tuple[str, ...] = (),
 ) -> ToolPolicy | None:
     if effect is not None:
         return ToolPolicy(
             effect=parse_effect(effect),
-            requires_approval=requires_approval,
+            requires_approval=requires_approval,  # type: ignore[arg-type]  # checked there
             max_attempts=max_attempts,
             time_limit=time_limit,  # type: ignore[arg-type]
             approval_deadline=approval_deadline,  # type: ignore[arg-type]
+            approvals=approvals,
+            approver_permission=approver_permission,
+            webhooks=webhooks,
         )
     if any(v is not None for v in (requires_approval, max_attempts, time_limit,
-                                   approval_deadline)):
+                                   approval_deadline, approver_permission)) \
+            or approvals != 1 or webhooks:
         raise ToolDefinitionError(
             f"tool {tool_name!r}: requires_approval, max_attempts, time_limit and "
             "approval_deadline are part of an explicit policy; give effect= too"

@@ -197,6 +197,44 @@ class DexSettings(BaseSettings):
         "net for a lost notification; without Redis it polls every 5-200 ms).",
     )
 
+    # -- webhooks (approvals that reach people; see dex_tasks/webhooks.py) --
+    webhook_urls: str | None = Field(
+        default=None,
+        description="Comma-separated URLs told when a call awaits approval, is decided, or "
+        "nears its deadline (set it where calls are made and decided: agents, API, beat).",
+    )
+    webhook_secret: SecretStr | None = Field(
+        default=None,
+        description="Signs webhook bodies (Dex-Signature, HMAC-SHA256); required by the "
+        "workers that deliver them.",
+    )
+    webhook_deadline_lead_seconds: float = Field(
+        default=3600.0, gt=0,
+        description="approval_deadline_near is sent this long before a deadline.",
+    )
+    webhook_max_attempts: int = Field(
+        default=12, ge=1, description="Delivery attempts of a webhook before it is failed.",
+    )
+    webhook_backoff_seconds: int = Field(
+        default=2, ge=1,
+        description="First retry delay of a webhook (whole seconds); Celery doubles it per "
+        "attempt, with full jitter.",
+    )
+    webhook_backoff_max_seconds: int = Field(
+        default=600, ge=1, description="Cap on a webhook's retry delay (whole seconds).",
+    )
+    webhook_timeout_seconds: float = Field(
+        default=10.0, gt=0, description="HTTP timeout of one webhook delivery.",
+    )
+    public_url: str | None = Field(
+        default=None,
+        description="The API's public base URL (https://dex.example.com), for webhooks' page "
+        "links.",
+    )
+
+    def webhook_url_list(self) -> tuple[str, ...]:
+        """``DEX_WEBHOOK_URLS`` as a tuple (empty when unset)."""
+        return tuple(u.strip() for u in (self.webhook_urls or "").split(",") if u.strip())
 
     def signing_key(self) -> str:
         """The token-signing secret; :class:`ConfigurationError` when it is not set."""

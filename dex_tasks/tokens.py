@@ -13,7 +13,10 @@ A payload with both, or neither, is refused.
 
 Permissions: :data:`VIEW` reads a session (snapshot, events, the page, read-only);
 :data:`OPERATE` also decides its approvals (and implies :data:`VIEW`). Tokens issued before
-:data:`VIEW` existed carry ``["operate"]`` and keep working unchanged.
+:data:`VIEW` existed carry ``["operate"]`` and keep working unchanged. A token may also carry
+named permissions (``refunds.approve``), signed like the rest: a policy with
+``approver_permission`` accepts approvals only from tokens holding it
+(``dex-tasks token SESSION --grant refunds.approve``).
 
 Failures split the way HTTP needs them: :class:`InvalidTokenError` (missing, malformed, forged,
 expired: "who are you?", 401) and :class:`ForbiddenSessionError` (a genuine token for another
@@ -37,6 +40,7 @@ from dex_tasks.errors import (
     InvalidArgumentError,
     InvalidTokenError,
 )
+from dex_tasks.policy import check_permission_name
 
 __all__ = [
     "OPERATE",
@@ -147,9 +151,13 @@ def issue_token(
             f"approver must be a string of 1 to {MAX_APPROVER_LENGTH} characters, "
             f"got {approver!r}"
         )
-    if isinstance(permissions, str) or not all(p in PERMISSIONS for p in permissions):
+    if isinstance(permissions, str):
         raise InvalidArgumentError(
-            f"permissions must be a list of {' / '.join(PERMISSIONS)}, got {permissions!r}")
+            f"permissions must be a list of {' / '.join(PERMISSIONS)} or named permissions, "
+            f"got {permissions!r}")
+    for p in permissions:
+        if p not in PERMISSIONS:
+            check_permission_name(p, "permissions", InvalidArgumentError)
     now = time.time() if now is None else now
     # The payload of a session token is exactly what earlier releases issued, so tokens
     # already handed out stay valid and new session tokens verify on an older API too.

@@ -423,7 +423,7 @@ def test_openapi_documents_every_status_with_a_schema_and_health(http: TestClien
     body = components["ResolveRequest"]
     assert set(body["required"]) == {"interrupt_id", "approved"}
     assert set(body["properties"]) == {"interrupt_id", "approved", "rejection_message",
-                                       "session_id"}
+                                       "session_id", "arguments"}
     assert body["additionalProperties"] is False
     assert components["ErrorResponse"]["required"] == ["error"]
     # Every route documents what it answers, and none documents FastAPI's unused 422.

@@ -181,9 +181,19 @@ def test_bad_issue_arguments_name_the_field() -> None:
             issue_token(SECRET, "s1", **kwargs)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="session_id"):
         issue_token(SECRET, "")
-    for permissions in (["admin"], "operate", ["view", "write"]):
+    for permissions in (["ad min"], "operate", ["view", "wr/ite"], [""]):
         with pytest.raises(InvalidArgumentError, match="permissions"):
             issue_token(SECRET, "s1", permissions=permissions)
+
+
+def test_a_named_permission_is_signed_in_and_grants_nothing_else() -> None:
+    # A policy's approver_permission ("payments.approve") travels in the signed claims
+    token = issue_token(SECRET, "s1", permissions=["view", "payments.approve"])
+    claims = verify_token(SECRET, token, "s1", permission="view")
+    assert claims.permissions == ("view", "payments.approve")
+    assert claims.allows("payments.approve") and not claims.allows("operate")
+    with pytest.raises(ForbiddenSessionError, match="operate"):
+        verify_token(SECRET, token, "s1")
     with pytest.raises(ConfigurationError, match="DEX_SECRET_KEY"):
         issue_token("", "s1")
 

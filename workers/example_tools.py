@@ -20,6 +20,7 @@ from typing import Any
 from billiard.exceptions import SoftTimeLimitExceeded
 
 from dex_tasks import ToolContext, TransientToolError, tool
+from dex_tasks.rules import when
 from workers import ledger
 
 ORDERS = {
@@ -90,6 +91,21 @@ def refund_payment(ctx: ToolContext, charge_id: str, amount_cents: int) -> dict[
     """Refund a payment. Waits for a person's approval (the default for this effect class)."""
     ledger.record("refund_payment", ctx.idempotency_key, ctx.attempt)
     return {"charge_id": charge_id, "refunded_cents": amount_cents}
+
+
+@tool(effect="non_idempotent_write", requires_approval=when("amount_cents", ">", 10_000))
+def issue_refund(ctx: ToolContext, charge_id: str, amount_cents: int) -> dict[str, object]:
+    """Refund a payment; refunds over $100 (10,000 cents) wait for a person (a rule on the
+    arguments, evaluated where the call is made)."""
+    ledger.record("issue_refund", ctx.idempotency_key, ctx.attempt)
+    return {"charge_id": charge_id, "refunded_cents": amount_cents}
+
+
+@tool(effect="non_idempotent_write", approvals=2, approver_permission="payments.approve")
+def wire_transfer(ctx: ToolContext, account: str, amount_cents: int) -> dict[str, object]:
+    """Send a wire transfer: two distinct approvers holding ``payments.approve`` must agree."""
+    ledger.record("wire_transfer", ctx.idempotency_key, ctx.attempt)
+    return {"account": account, "sent_cents": amount_cents}
 
 
 @tool(effect="non_idempotent_write")

@@ -23,17 +23,18 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, insert, or_, select, update
 from sqlalchemy.engine import Connection, CursorResult
 
+from dex_tasks.agent.calls import checked_arguments
 from dex_tasks.broker.celery_app import publish
-from dex_tasks.errors import InvalidArgumentError
+from dex_tasks.errors import ForbiddenSessionError, InvalidArgumentError
 from dex_tasks.limits import (
     APPROVER_MAX,
     INTERRUPT_ID_MAX,
@@ -42,8 +43,9 @@ from dex_tasks.limits import (
     check_text,
 )
 from dex_tasks.policy import EffectClass
+from dex_tasks.registry import InvalidArguments
 from dex_tasks.states import TERMINAL, CallStatus
-from dex_tasks.store import CALLS, INTERRUPTS, MESSAGES, Store
+from dex_tasks.store import APPROVALS, CALLS, INTERRUPTS, MESSAGES, Store, catalog, webhooks
 from dex_tasks.store.deadlines import (
     APPROVAL_REJECTED,
     APPROVED,
@@ -56,7 +58,10 @@ from dex_tasks.store.records import (
     PendingInterrupt,
     SessionMessage,
     ToolCallRecord,
+    edit_note,
 )
+from dex_tasks.store.sqljson import same_json
+from dex_tasks.store.tables import INSERT_EVENT
 from dex_tasks.store.transcript import session_messages
 
 log = logging.getLogger("dex_tasks.agent.approvals")
@@ -70,6 +75,20 @@ def rejection_error(approver: str | None, message: str | None) -> str:
 
 def _dt(ts: float | None) -> datetime | None:
     return None if ts is None else datetime.fromtimestamp(ts, tz=UTC)
+
+
+APPROVAL_COUNTED = "tool_call_approval_counted"
+"""The event of one approval of several that did not decide yet (the status stays)."""
+
+
+class InvalidEditError(InvalidArgumentError):
+    """Edited arguments a tool refuses (the message names the field), or an edit where none
+    may be made (when rejecting, on a call that needs several approvals). Nothing changed."""
+
+
+class ApproverPermissionError(ForbiddenSessionError):
+    """The approver's token does not hold the permission the call's policy names. Nothing
+    changed (HTTP 403)."""
 
 
 class _CallNotAwaiting(Exception):
@@ -88,15 +107,29 @@ def resolve_interrupt(
     rejection_message: str | None = None,
     approver: str | None = None,
     now: float | None = None,
+    *,
+    arguments: Mapping[str, Any] | None = None,
+    permissions: Sequence[str] | None = None,
 ) -> bool:
-    """Decide a pending approval; True if this call decided it, False if it changed nothing.
+    """Decide a pending approval; True if this call decided it (or, for a policy that needs
+    several approvals, counted this approver's), False if it changed nothing.
 
     False for an interrupt already decided (by anyone, or expired by the sweep), one whose
-    deadline has passed (even before the sweep ran), one that does not exist, or one of another
-    session: safe to retry. Approving moves the call to ``queued`` and publishes it after the
-    commit; if that publish fails the call stays ``queued`` and the stranded-call republisher
-    sends it. Rejecting moves it to ``rejected`` with :func:`rejection_error` as its error.
-    ``rejection_message`` is ignored when approving.
+    deadline has passed (even before the sweep ran), one that does not exist, one of another
+    session, or a second approval by the same approver: safe to retry. Approving moves the call
+    to ``queued`` and publishes it after the commit; if that publish fails the call stays
+    ``queued`` and the stranded-call republisher sends it. Rejecting moves it to ``rejected``
+    with :func:`rejection_error` as its error. ``rejection_message`` is ignored when approving.
+
+    ``arguments`` (approving only): run the tool with these instead of the model's. They are
+    validated against the tool's schema (:class:`InvalidEditError` naming the field, nothing
+    changed); the call keeps both (``ToolCallRecord.original_arguments``), the event says
+    what changed, and the model reads it (``ToolCallRecord.arguments_edit``).
+
+    Several approvers (``ToolPolicy(approvals=N, approver_permission=...)``): each approval
+    needs a named ``approver`` whose ``permissions`` hold the policy's permission
+    (:class:`ApproverPermissionError` otherwise, nothing changed); the N-th distinct approver
+    decides; the first rejection decides at once.
     """
     check_id("session_id", session_id, SESSION_ID_MAX)
     check_id("interrupt_id", interrupt_id, INTERRUPT_ID_MAX)
@@ -107,14 +140,24 @@ def resolve_interrupt(
     approver = approver or None
     if approver is not None:
         check_id("approver", approver, APPROVER_MAX)
+    edited: str | None = None
+    if arguments is not None:
+        if not approved:
+            raise InvalidEditError("arguments can only be given when approving")
+        try:
+            _, edited = checked_arguments(arguments)
+        except InvalidArgumentError as err:
+            raise InvalidEditError(f"arguments: {err}") from None
     now = time.time() if now is None else now
     decision = APPROVED if approved else REJECTED
     reason = None if approved else (rejection_message or None)
+    held = set(permissions or ())
     try:
         with store.write() as conn:
             # The compare-and-set of the decision: only an undecided interrupt of this session
-            # whose deadline has not passed matches; concurrent deciders serialise on the row
-            # and all but the first find decision set.
+            # whose deadline has not passed matches. This first UPDATE writes nothing new; it
+            # takes the row's lock, so concurrent deciders (and approvers counting towards N)
+            # serialise here and each sees the row as the one before it left it.
             row = conn.execute(
                 update(INTERRUPTS)
                 .where(
@@ -123,22 +166,67 @@ def resolve_interrupt(
                     INTERRUPTS.c.decision.is_(None),
                     or_(INTERRUPTS.c.deadline_at.is_(None), INTERRUPTS.c.deadline_at > now),
                 )
-                .values(decision=decision, decided_by=approver, decided_at=now, reason=reason)
-                .returning(INTERRUPTS.c.key)
+                .values(approvals_given=INTERRUPTS.c.approvals_given)
+                .returning(INTERRUPTS.c.key, INTERRUPTS.c.approvals_required,
+                           INTERRUPTS.c.approvals_given, INTERRUPTS.c.approver_permission)
             ).first()
             if row is None:
                 return False
             key: str = row.key
-            detail = {"reason": decision, "interrupt_id": interrupt_id, "approver": approver}
+            required = row.approvals_required or 1
+            if row.approver_permission is not None and row.approver_permission not in held:
+                raise ApproverPermissionError(
+                    f"deciding this call needs the {row.approver_permission!r} permission, "
+                    f"which {approver or 'this approver'}'s token does not hold")
+            # Only a policy of several approvals has approval rows to read.
+            approvers = _approvers(conn, interrupt_id) if required > 1 else []
+            if approved and required > 1:
+                if approver is None:
+                    raise InvalidArgumentError(
+                        f"approver is required: this call needs {required} approvals from "
+                        "distinct, named approvers")
+                if edited is not None:
+                    raise InvalidEditError("arguments cannot be edited on a call that needs "
+                                           "several approvals")
+                if approver in approvers:
+                    return False
+                conn.execute(insert(APPROVALS).values(interrupt_id=interrupt_id,
+                                                      approver=approver, decided_at=now))
+                approvers.append(approver)
+                if len(approvers) < required:
+                    _count_approval(store, conn, key, session_id, interrupt_id, approvers,
+                                    required, now)
+                    log.info("approval counted", extra={
+                        "action": "interrupt_approval_counted", "key": key,
+                        "interrupt_id": interrupt_id, "approver": approver,
+                        "approvals": len(approvers), "required": required})
+                    return True
+            values: dict[str, Any] = {"published_at": now}
+            detail: dict[str, Any] = {"reason": decision, "interrupt_id": interrupt_id,
+                                      "approver": approver}
+            if approvers:
+                detail["approvers"] = approvers
+            if edited is not None:
+                original = conn.execute(select(CALLS.c.tool, CALLS.c.arguments)
+                                        .where(CALLS.c.key == key)).first()
+                if original is not None and not same_json(original.arguments, edited):
+                    _check_edit(store, original.tool, json.loads(edited))
+                    before = json.loads(original.arguments)
+                    values.update(arguments=edited, original_arguments=original.arguments)
+                    detail.update(original_arguments=before, arguments=json.loads(edited),
+                                  edit=edit_note(before, json.loads(edited)))
+            conn.execute(
+                update(INTERRUPTS).where(INTERRUPTS.c.interrupt_id == interrupt_id)
+                .values(decision=decision, decided_by=approver, decided_at=now, reason=reason,
+                        approvals_given=len(approvers)))
             if approved:
                 # published_at=now: the republisher leaves it alone while we publish below.
                 # The call's queue expiry (``expires_in``) counts from now, not from the
                 # request: time spent waiting for a person is not time spent in the queue.
+                values["expires_at"] = CALLS.c.expires_at + (now - CALLS.c.created_at)
                 moved = store.transition(
                     key, CallStatus.QUEUED, allowed={CallStatus.AWAITING_APPROVAL},
-                    values={"published_at": now,
-                            "expires_at": CALLS.c.expires_at + (now - CALLS.c.created_at)},
-                    detail=detail, now=now, conn=conn,
+                    values=values, detail=detail, now=now, conn=conn,
                 )
             else:
                 moved = store.transition(
@@ -148,6 +236,8 @@ def resolve_interrupt(
                 )
             if not moved:
                 raise _CallNotAwaiting(key)
+            webhooks.announce_keys(conn, store, webhooks.DECIDED, [key], now,
+                                   {interrupt_id: approvers})
     except _CallNotAwaiting as err:
         log.error("interrupt undecided but its call is not awaiting approval",
                   extra={"action": "interrupt_inconsistent", "interrupt_id": interrupt_id,
@@ -155,10 +245,40 @@ def resolve_interrupt(
         return False
     log.info("interrupt resolved", extra={"action": "interrupt_resolved", "key": key,
                                           "interrupt_id": interrupt_id, "decision": decision,
-                                          "approver": approver})
+                                          "approver": approver,
+                                          "arguments_edited": edited is not None})
     if approved:
         _publish_approved(store, app, key, now)
     return True
+
+
+def _approvers(conn: Connection, interrupt_id: str) -> list[str]:
+    return list(conn.execute(
+        select(APPROVALS.c.approver).where(APPROVALS.c.interrupt_id == interrupt_id)
+        .order_by(APPROVALS.c.decided_at, APPROVALS.c.approver)).scalars())
+
+
+def _count_approval(store: Store, conn: Connection, key: str, session_id: str,
+                    interrupt_id: str, approvers: list[str], required: int, now: float) -> None:
+    """One approval of several, not yet the deciding one: counted on the interrupt, and an
+    event row (the call's status does not change) so the audit and the page see it."""
+    conn.execute(update(INTERRUPTS).where(INTERRUPTS.c.interrupt_id == interrupt_id)
+                 .values(approvals_given=len(approvers)))
+    conn.execute(INSERT_EVENT, {
+        "session_id": session_id, "key": key, "event": APPROVAL_COUNTED,
+        "from_status": CallStatus.AWAITING_APPROVAL.value,
+        "to_status": CallStatus.AWAITING_APPROVAL.value,
+        "detail": json.dumps({"interrupt_id": interrupt_id, "approver": approvers[-1],
+                              "approvers": approvers, "required": required}),
+        "created_at": now})
+
+
+def _check_edit(store: Store, tool: str, arguments: dict[str, Any]) -> None:
+    """:class:`InvalidEditError` naming the fields the tool's schema refuses."""
+    try:
+        catalog.lookup(store, tool).validate(arguments)
+    except InvalidArguments as err:
+        raise InvalidEditError(f"arguments: {err}") from None
 
 
 def _publish_approved(store: Store, app: Celery, key: str, approved_at: float) -> None:
@@ -196,23 +316,42 @@ def _open(interrupt: Mapping[str, Any], now: float) -> bool:
     return interrupt["decision"] is None and (deadline is None or deadline > now)
 
 
-def _pending(interrupt: Mapping[str, Any], call: Mapping[str, Any]) -> PendingInterrupt:
+def _pending(interrupt: Mapping[str, Any], call: Mapping[str, Any],
+             approvers: Mapping[str, list[str]]) -> PendingInterrupt:
     return PendingInterrupt(
         interrupt_id=interrupt["interrupt_id"], session_id=interrupt["session_id"],
         key=call["key"], tool=call["tool"], arguments=json.loads(call["arguments"]),
         effect=EffectClass(call["effect"]), deadline=_dt(interrupt["deadline_at"]),
         created_at=_dt(interrupt["created_at"]),
+        approvals_required=interrupt.get("approvals_required") or 1,
+        approved_by=approvers.get(interrupt["interrupt_id"], []),
+        approver_permission=interrupt.get("approver_permission"),
     )
 
 
-def _decided(interrupt: Mapping[str, Any], call: Mapping[str, Any]) -> Decision:
+def _decided(interrupt: Mapping[str, Any], call: Mapping[str, Any],
+             approvers: Mapping[str, list[str]]) -> Decision:
+    original = call.get("original_arguments")
     return Decision(
         interrupt_id=interrupt["interrupt_id"], key=call["key"], tool=call["tool"],
         arguments=json.loads(call["arguments"]), effect=EffectClass(call["effect"]),
         decision=interrupt["decision"], decided_by=interrupt["decided_by"],
         decided_at=_dt(interrupt["decided_at"]), reason=interrupt["reason"],
         deadline=_dt(interrupt["deadline_at"]), call_status=CallStatus(call["status"]),
+        approved_by=approvers.get(interrupt["interrupt_id"], []),
+        original_arguments=None if original is None else json.loads(original),
     )
+
+
+def _approvals_of(conn: Connection, interrupt_ids: list[str]) -> dict[str, list[str]]:
+    """Who approved each of these interrupts (those that need several), in order."""
+    found: dict[str, list[str]] = {}
+    if not interrupt_ids:
+        return found
+    for row in conn.execute(select(APPROVALS).where(APPROVALS.c.interrupt_id.in_(interrupt_ids))
+                            .order_by(APPROVALS.c.decided_at, APPROVALS.c.approver)):
+        found.setdefault(row.interrupt_id, []).append(row.approver)
+    return found
 
 
 @dataclass(frozen=True)
@@ -278,7 +417,8 @@ def session_snapshot(store: Store, session_id: str, now: float | None = None,
     now = time.time() if now is None else now
     limit = None if window is None else window.limit
     joined = select(INTERRUPTS, CALLS.c.tool, CALLS.c.arguments, CALLS.c.effect,
-                    CALLS.c.status).join(CALLS, CALLS.c.key == INTERRUPTS.c.key)
+                    CALLS.c.status, CALLS.c.original_arguments
+                    ).join(CALLS, CALLS.c.key == INTERRUPTS.c.key)
     open_query = (joined.where(INTERRUPTS.c.session_id == session_id,
                                INTERRUPTS.c.decision.is_(None),
                                or_(INTERRUPTS.c.deadline_at.is_(None),
@@ -290,7 +430,8 @@ def session_snapshot(store: Store, session_id: str, now: float | None = None,
                      .limit(limit))
 
     def read(conn: Connection) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
-                                        list[dict[str, Any]], list[SessionMessage]]:
+                                        list[dict[str, Any]], list[SessionMessage],
+                                        dict[str, list[str]]]:
         if store.is_postgres:
             # One snapshot for every statement below: under READ COMMITTED a decision
             # committed between them showed the call awaiting approval in one list and
@@ -299,16 +440,19 @@ def session_snapshot(store: Store, session_id: str, now: float | None = None,
         calls = _rows(conn.execute(_calls_query(session_id, window, conn)))
         pending = _rows(conn.execute(open_query))
         decided = _rows(conn.execute(decided_query))
-        return calls, pending, decided, _messages(conn, session_id, window)
+        several = [i["interrupt_id"] for i in (*pending, *decided)
+                   if (i["approvals_required"] or 1) > 1]
+        return (calls, pending, decided, _messages(conn, session_id, window),
+                _approvals_of(conn, several))
 
     # Retried across a lost connection: agents read their session between every turn.
-    calls, pending, decided, messages = store.reading(read)
+    calls, pending, decided, messages, approvers = store.reading(read)
     return AgentSnapshot(
         session_id=session_id,
         tool_calls=[ToolCallRecord.from_row(ToolCallRow.model_validate(dict(c))) for c in calls],
         messages=messages,
-        pending_interrupts=[_pending(i, i) for i in pending],
-        decided=[_decided(i, i) for i in reversed(decided)],
+        pending_interrupts=[_pending(i, i, approvers) for i in pending],
+        decided=[_decided(i, i, approvers) for i in reversed(decided)],
     )
 
 
@@ -327,8 +471,14 @@ def list_pending(
     )
     if session_id is not None:
         query = query.where(INTERRUPTS.c.session_id == session_id)
-    rows = store.reading(lambda conn: _rows(conn.execute(query)))
-    return [_pending(r, r) for r in rows]
+
+    def read(conn: Connection) -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
+        rows = _rows(conn.execute(query))
+        several = [r["interrupt_id"] for r in rows if (r["approvals_required"] or 1) > 1]
+        return rows, _approvals_of(conn, several)
+
+    rows, approvers = store.reading(read)
+    return [_pending(r, r, approvers) for r in rows]
 
 
 def get_interrupt(store: Store, interrupt_id: str) -> InterruptRow | None:

@@ -8,6 +8,7 @@ here writes or sends anything.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -164,17 +165,25 @@ def new_call(
     signature's coercions, "5" for an int for instance.)
     """
     policy = resolve_policy(info.policy, info.hints, default_effect)
+    # A rule on the arguments is evaluated here, in the agent process, from the policy the
+    # catalog carries (see rules.py): no tool code is needed to decide.
+    decision = policy.approval_for(arguments)
     invalid: str | None = None
-    if info.local is not None or policy.needs_approval:
+    if info.local is not None or decision.required:
         try:
             info.validate(arguments)
         except InvalidArguments as err:
             invalid = str(err)
     row, interrupt = _rows(key, session_id, turn_id, tool_call_id, tool, args_json, policy,
                            approval_deadline=approval_deadline, expires_in=expires_in,
-                           hold=policy.needs_approval and invalid is None,
+                           hold=decision.required and invalid is None,
                            default_max_attempts=default_max_attempts,
                            now=time.time() if now is None else now)
+    row["requires_approval"] = decision.required
+    snapshot = decision.snapshot()
+    # Plain json.dumps: the snapshot is the rule's own checked JSON and a text of ours.
+    row["approval_rule"] = (json.dumps(snapshot, sort_keys=True, separators=(",", ":"))
+                            if snapshot is not None else None)
     return NewCall(key, tool, args_json, row, interrupt, invalid)
 
 
@@ -194,6 +203,10 @@ def _rows(
             "session_id": session_id,
             "deadline_at": now + deadline if deadline else None,
             "created_at": now,
+            "approvals_required": policy.approvals,
+            "approvals_given": 0,
+            "approver_permission": policy.approver_permission,
+            "webhook_urls": canonical_json(list(policy.webhooks)) if policy.webhooks else None,
         }
     row = {
         "key": key,
@@ -245,8 +258,10 @@ def same_call(existing: Any, tool: str, args_json: str, options: Mapping[str, An
     when the stored call kept them (calls recorded by an older release did not)."""
     if existing.tool != tool:
         raise ConflictError(existing.key, "tool")
-    # By value: PostgreSQL's jsonb hands back its own spelling of the stored arguments.
-    if not same_json(existing.arguments, args_json):
+    # By value: PostgreSQL's jsonb hands back its own spelling of the stored arguments. A call
+    # approved with edited arguments is compared by the ones the model asked for.
+    asked = getattr(existing, "original_arguments", None) or existing.arguments
+    if not same_json(asked, args_json):
         raise ConflictError(existing.key, "arguments")
     if options is not None and stored_options is not None:
         for name in ("default_effect", "approval_deadline", "expires_in"):

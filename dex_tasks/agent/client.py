@@ -23,7 +23,7 @@ from dex_tasks.agent.calls import (
     request_options,
     same_call,
 )
-from dex_tasks.broker import notify
+from dex_tasks.broker import notify, webhooks
 from dex_tasks.broker.celery_app import create_app, publish, publish_many
 from dex_tasks.broker.redis_clients import connector
 from dex_tasks.errors import (
@@ -52,6 +52,7 @@ from dex_tasks.store.records import (
 _UNSET_COLUMNS: dict[str, Any] = {
     "result": None, "error": None, "finished_at": None, "worker": None,
     "lease_expires_at": None, "prev_status": None, "republishes": 0,
+    "original_arguments": None,
 }
 
 # How wait polls the store while notifications cannot reach it (the watcher is not connected):
@@ -88,6 +89,7 @@ class DexClient:
         # waiters and are counted like the ones workers end.
         self._notifier = notify.install(self.store, self.settings.redis_url,
                                         connector(self.settings))
+        webhooks.install(self.store, self.settings, lambda: self.app)
         self._watcher: notify.CallWatcher | None = None
         self._app: Celery | None = None
         self._catalog_cache: dict[str, tuple[float, catalog.ToolInfo]] = {}
@@ -431,17 +433,23 @@ class DexClient:
         approved: bool,
         rejection_message: str | None = None,
         approver: str | None = None,
+        arguments: Mapping[str, Any] | None = None,
+        permissions: Sequence[str] | None = None,
     ) -> bool:
         """Approve or reject a pending call; True if this call decided, False otherwise.
 
         The first decision wins; a later one, one after the deadline, or one for an unknown
         interrupt or another session returns False and changes nothing (safe to retry).
         Approving runs the call; rejecting ends it ``rejected`` with ``rejection_message`` in
-        its error, where the model reads it.
+        its error, where the model reads it. ``arguments``: approve with these instead (edit
+        on approval; checked against the tool's schema). ``permissions``: what the approver
+        holds, for a policy that names an ``approver_permission`` (see
+        ``agent.approvals.resolve_interrupt``).
         """
         return approvals.resolve_interrupt(
             self.store, self.app, session_id, interrupt_id, approved,
             rejection_message=rejection_message, approver=approver,
+            arguments=arguments, permissions=permissions,
         )
 
     def send_user_message(self, session_id: str, text: str) -> bool:

@@ -53,7 +53,7 @@ from fastapi.staticfiles import StaticFiles
 from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 
-from dex_tasks.agent.approvals import SnapshotWindow, session_snapshot
+from dex_tasks.agent.approvals import ApproverPermissionError, SnapshotWindow, session_snapshot
 from dex_tasks.agent.client import DexClient
 from dex_tasks.api.auth import (
     authenticate,
@@ -222,10 +222,14 @@ async def resolve_interrupt(request: Request, credentials: Bearer) -> Response:
         return JSONResponse({"error": "session_id is required with an operator "
                                       "(all-sessions) token, which names no session"},
                             status_code=400)
-    accepted = await run_in_threadpool(
-        state.client.resolve_interrupt, session_id, body.interrupt_id, body.approved,
-        rejection_message=body.rejection_message, approver=claims.approver,
-    )
+    try:
+        accepted = await run_in_threadpool(
+            state.client.resolve_interrupt, session_id, body.interrupt_id, body.approved,
+            rejection_message=body.rejection_message, approver=claims.approver,
+            arguments=body.arguments, permissions=claims.permissions,
+        )
+    except ApproverPermissionError as err:
+        raise HTTPException(403, detail=f"not allowed: {err}") from err
     log.info("interrupt resolve requested", extra={
         "action": "http_interrupt_resolve", "session_id": session_id,
         "interrupt_id": body.interrupt_id, "approved": body.approved,

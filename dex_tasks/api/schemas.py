@@ -52,6 +52,12 @@ class ResolveRequest(BaseModel):
         description="Optional: must equal the token's session. Required with an operator "
                     "(--all-sessions) token.",
     )
+    arguments: dict[str, Any] | None = Field(
+        default=None,
+        description="When approving: run the tool with these arguments instead of the "
+                    "model's (checked against the tool's schema; 400 naming the field "
+                    "otherwise). Both versions are recorded and the model is told.",
+    )
 
 
 class BodyError(ValueError):
@@ -66,6 +72,7 @@ class ResolveBody:
     approved: bool
     rejection_message: str | None
     session_id: str | None
+    arguments: dict[str, Any] | None = None
 
 
 def parse_resolve_body(raw: bytes) -> ResolveBody:
@@ -99,11 +106,16 @@ def parse_resolve_body(raw: bytes) -> ResolveBody:
         if not isinstance(session_id, str) or not session_id:
             raise BodyError("session_id must be a non-empty string when given")
         _check_text("session_id", session_id, MAX_SESSION_ID_LENGTH)
+    arguments = body.get("arguments")
+    if arguments is not None and not isinstance(arguments, dict):
+        raise BodyError("arguments must be a JSON object when given")
+    if arguments is not None and not approved:
+        raise BodyError("arguments can only be given when approving")
     unknown = sorted(set(body) - set(ResolveRequest.model_fields))
     if unknown:
         raise BodyError(f"unknown field {unknown[0]!r} (the body takes "
                         f"{', '.join(ResolveRequest.model_fields)})")
-    return ResolveBody(interrupt_id, approved, rejection_message, session_id)
+    return ResolveBody(interrupt_id, approved, rejection_message, session_id, arguments)
 
 
 def _check_text(field: str, value: str, limit: int) -> None:

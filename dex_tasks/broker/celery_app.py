@@ -30,6 +30,7 @@ from dex_tasks.store.models import ToolCallRow
 
 # The workers' sweep job (reconcile_unknown), on a queue every worker consumes.
 RECONCILE_QUEUE = "dex.reconcile"
+WEBHOOK_QUEUE = "dex.webhooks"
 RUN_RETRYING = "dex.call_tool"
 RUN_SINGLE_ATTEMPT = "dex.call_single_attempt_tool"
 SWEEP = "dex.sweep"
@@ -116,7 +117,8 @@ def consume_queues(app: Celery, tools: Iterable[str]) -> list[str]:
     Set here rather than with ``-Q``, which splits on commas (a tool name may hold one).
     Returns the queue names.
     """
-    names = [*sorted({queue_for(name) for name in tools}), RECONCILE_QUEUE]
+    # Every worker also delivers webhooks (worker/webhooks.py): no tool code is needed.
+    names = [*sorted({queue_for(name) for name in tools}), RECONCILE_QUEUE, WEBHOOK_QUEUE]
     app.conf.task_queues = [_queue(name) for name in names]
     return names
 

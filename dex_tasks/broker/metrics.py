@@ -92,6 +92,15 @@ def record_sweep(client: redis.Redis, job: str, moved: int, now: float | None = 
     pipe.execute()
 
 
+WEBHOOKS_KEY = "dex:metrics:webhooks"
+"""Redis hash of webhook delivery attempts by outcome (delivered, retried, failed, skipped)."""
+
+
+def count_webhook(client: redis.Redis, outcome: str) -> None:
+    """Count one webhook delivery attempt (``dex_webhook_deliveries_total{outcome}``)."""
+    client.hincrby(WEBHOOKS_KEY, outcome, 1)
+
+
 def _field(tool: str, effect: str, status: str, bucket: int | str) -> str:
     return json.dumps([tool, effect, status, bucket], separators=(",", ":"))
 
@@ -194,7 +203,8 @@ class StoreCollector(Collector):
             pipe = self.redis.pipeline(transaction=False)
             pipe.hgetall(ENDED_KEY)
             pipe.hgetall(SWEEP_STATS_KEY)
-            ended_raw, sweeps_raw = pipe.execute()
+            pipe.hgetall(WEBHOOKS_KEY)
+            ended_raw, sweeps_raw, webhooks_raw = pipe.execute()
         except Exception as err:  # noqa: BLE001 - a scrape reports Redis down, it never fails
             log.warning("metrics could not read Redis",
                         extra={"action": "metrics_redis_error", "error": str(err)})
@@ -205,6 +215,12 @@ class StoreCollector(Collector):
         yield redis_up
         yield from _ended_families(ended_raw)
         yield from _sweep_families(sweeps_raw)
+        deliveries = CounterMetricFamily(
+            "dex_webhook_deliveries", "Webhook delivery attempts, by outcome.",
+            labels=["outcome"])
+        for outcome, n in sorted(webhooks_raw.items()):
+            deliveries.add_metric([_text(outcome)], float(n))
+        yield deliveries
 
 
 def open_calls_query() -> Any:

@@ -181,6 +181,8 @@ def _tool_message(record: ToolCallRecord, call: ToolCall) -> ToolMessage:
     else:
         content = record.error or f"the tool call ended {record.status.value}"
         status = "error"
+    if record.arguments_edit:  # a person approved other arguments: the model is told
+        content = f"({record.arguments_edit})\n{content}"
     return ToolMessage(
         content=content,
         tool_call_id=call.get("id") or "",

@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import typer
 from rich.console import Console
@@ -381,6 +381,10 @@ def token(
     approver: str | None = typer.Option(
         None, "--approver", help="The name recorded with each decision made with the token."
     ),
+    grant: Annotated[list[str] | None, typer.Option(
+        "--grant",
+        help="A named permission the token also carries (a policy's approver_permission, "
+             "e.g. refunds.approve); repeat for several.")] = None,
 ) -> None:
     """Print a token, signed with DEX_SECRET_KEY, for the HTTP API and the session page.
 
@@ -398,7 +402,8 @@ def token(
         typer.echo(f"error: {visible(str(err))}", err=True)
         raise typer.Exit(2) from None
     try:
-        typer.echo(issue_token(secret, session_id, ttl, approver, permissions=(permission,),
+        typer.echo(issue_token(secret, session_id, ttl, approver,
+                               permissions=(permission, *(grant or ())),
                                all_sessions=all_sessions))
     except DexError as err:
         raise typer.BadParameter(str(err)) from None
@@ -438,22 +443,43 @@ def approvals_list(
 
 
 def _decide(session_id: str, interrupt_id: str, approved: bool, message: str | None,
-            approver: str | None) -> None:
+            approver: str | None, arguments: str | None = None,
+            permissions: list[str] | None = None) -> None:
     import time
 
     from dex_tasks.agent.approvals import get_interrupt
     from dex_tasks.agent.client import DexClient
+    from dex_tasks.errors import DexError
 
+    edited = None
+    if arguments is not None:
+        try:
+            edited = json.loads(arguments)
+        except ValueError as err:
+            raise typer.BadParameter(f"--arguments is not JSON: {err}") from None
     with DexClient(DexSettings()) as client:
         who = approver or _cli_approver()
-        if client.resolve_interrupt(session_id, interrupt_id, approved,
-                                    rejection_message=message, approver=who):
+        try:
+            decided = client.resolve_interrupt(session_id, interrupt_id, approved,
+                                               rejection_message=message, approver=who,
+                                               arguments=edited, permissions=permissions)
+        except DexError as err:
+            typer.echo(f"not decided: {err}", err=True)
+            raise typer.Exit(2) from None
+        if decided:
             row = get_interrupt(client.store, interrupt_id)
             call = client.get_tool_call(row.key) if row else None
             status = call.status.value if call else "?"
+            if row is not None and row.decision is None:
+                typer.echo(visible(f"approval counted: {row.approvals_given} of "
+                                   f"{row.approvals_required} for interrupt {interrupt_id} "
+                                   f"as {who}"))
+                return
             typer.echo(visible(f"decided: {'approved' if approved else 'rejected'} interrupt "
                                f"{interrupt_id} as {who}; call {call.key if call else '?'} is "
                                f"{status}"))
+            if call is not None and call.arguments_edit:
+                typer.echo(visible(call.arguments_edit))
             return
         row = get_interrupt(client.store, interrupt_id)
         if row is None or row.session_id != session_id:
@@ -475,9 +501,17 @@ def approvals_approve(
     interrupt_id: str = typer.Argument(..., help="From `dex-tasks approvals list`."),
     approver: str | None = typer.Option(None, "--approver",
                                         help="Recorded as who decided (default: cli:$USER)."),
+    arguments: str | None = typer.Option(
+        None, "--arguments",
+        help="Approve with these arguments instead (a JSON object, checked against the "
+             "tool's schema); the call records both versions."),
+    permission: Annotated[list[str] | None, typer.Option(
+        "--permission",
+        help="A permission the approver holds (for a policy with approver_permission).")] = None,
 ) -> None:
-    """Approve a waiting call: it runs. Exit status 1 if this did not decide it."""
-    _decide(session_id, interrupt_id, True, None, approver)
+    """Approve a waiting call: it runs. Exit status 1 if this did not decide it (2 if the
+    arguments or the permission were refused)."""
+    _decide(session_id, interrupt_id, True, None, approver, arguments, permission)
 
 
 @approvals_app.command("reject")
@@ -491,6 +525,31 @@ def approvals_reject(
 ) -> None:
     """Reject a waiting call: it never runs. Exit status 1 if this did not decide it."""
     _decide(session_id, interrupt_id, False, message, approver)
+
+
+@app.command("webhooks")
+def webhooks_list(
+    status: str | None = typer.Option(None, "--status",
+                                      help="Only pending, delivered or failed deliveries."),
+    event_id: str | None = typer.Option(None, "--event", help="Only this event id."),
+    limit: int = typer.Option(50, "--limit", min=1, max=10_000),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """List webhook deliveries (newest first): event, URL, status, attempts, last error."""
+    from dex_tasks.ops.cli_render import webhooks_view
+    from dex_tasks.store import webhooks
+
+    store = Store(DexSettings().database_url)
+    try:
+        store.create_all()
+        rows = webhooks.list_deliveries(store, status=status, event_id=event_id, limit=limit)
+    finally:
+        store.close()
+    if as_json:
+        console.print_json(json.dumps([{k: v for k, v in r.items() if k != "payload"}
+                                       for r in rows]))
+        return
+    console.print(webhooks_view(rows), highlight=False)
 
 
 @app.command()

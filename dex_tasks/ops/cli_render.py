@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Any
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -106,6 +108,11 @@ def approvals_view(pending: Iterable[PendingInterrupt]) -> RenderableType:
             json.dumps(p.arguments, ensure_ascii=False)), ARGUMENT_CHARS)))
         grid.add_row("deadline", p.deadline.strftime("%Y-%m-%d %H:%M:%S UTC")
                      if p.deadline else "none")
+        if p.approvals_required > 1:
+            so_far = ", ".join(p.approved_by) or "nobody yet"
+            needs = f" holding {p.approver_permission}" if p.approver_permission else ""
+            grid.add_row("approvals", f"{len(p.approved_by)} of {p.approvals_required}{needs} "
+                                      f"(so far: {so_far})")
         title = Text("interrupt ", style="bold")
         title.append(visible(p.interrupt_id))
         title.append(visible(f"  session {p.session_id}"))
@@ -121,3 +128,16 @@ def approvals_view(pending: Iterable[PendingInterrupt]) -> RenderableType:
 
 def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def webhooks_view(rows: Sequence[dict[str, Any]]) -> RenderableType:
+    """Webhook deliveries: one row each, with its attempts and last error."""
+    if not rows:
+        return Text("no webhook deliveries")
+    table = Table("created (UTC)", "event", "event id", "url", "status", "attempts",
+                  Column("last error", overflow="fold"), box=box.SIMPLE)
+    for r in rows:
+        created = datetime.fromtimestamp(r["created_at"], tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
+        table.add_row(created, r["event"], r["event_id"], r["url"], r["status"],
+                      str(r["attempts"]), _clip(r["last_error"] or "", 120))
+    return table

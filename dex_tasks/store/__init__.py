@@ -34,23 +34,27 @@ from dex_tasks.store.connections import INHERITED, NetworkBounds, bounded_statem
 from dex_tasks.store.delivery import deliver_ready_messages, lock_session_messages
 from dex_tasks.store.leases import Leases
 from dex_tasks.store.tables import (
+    APPROVALS,
     CALLS,
     CATALOG,
     EVENTS,
     INTERRUPTS,
     MESSAGES,
+    WEBHOOKS,
     event_name,
     readable_calls,
 )
 from dex_tasks.store.transitions import Move
 
 __all__ = [
+    "APPROVALS",
     "CALLS",
     "CATALOG",
     "EVENTS",
     "INHERITED",
     "INTERRUPTS",
     "MESSAGES",
+    "WEBHOOKS",
     "EndedCall",
     "EndedHook",
     "Move",

@@ -58,6 +58,19 @@ EndedHook = Callable[[Sequence[EndedCall]], None]
 ENDED_CALLS = "dex_ended_calls"
 
 
+# Where a write transaction collects what to do once it has committed (conn.info).
+AFTER_COMMIT = "dex_after_commit"
+
+
+def after_commit(conn: Connection, action: Callable[[], None]) -> None:
+    """Run ``action`` once this write transaction has committed (never if it rolls back);
+    guarded like the ``on_calls_ended`` hooks. The webhook outbox publishes its deliveries so
+    (``store/webhooks.py``)."""
+    actions = conn.info.get(AFTER_COMMIT)
+    if actions is not None:
+        actions.append(action)
+
+
 def note_ended(conn: Connection, key: str, to: CallStatus, row: Any, now: float) -> None:
     """Remember that this transaction ends call ``key`` (``row``: what its UPDATE returned),
     for the hooks that run once it has committed (see :meth:`Store.committing`)."""
@@ -94,6 +107,12 @@ class StoreBase:
             self.read_engine = self.engine
         self.is_postgres = self.engine.dialect.name == "postgresql"
         self._ended_hooks: list[EndedHook] = []
+        # The webhook outbox (store/webhooks.py): where approval events are sent besides each
+        # tool's own URLs, the page link's base, and who publishes a delivery after its commit
+        # (broker/webhooks.install sets them from the settings).
+        self.webhook_urls: tuple[str, ...] = ()
+        self.public_url: str | None = None
+        self.publish_webhooks: Callable[[Sequence[str]], None] | None = None
 
     def on_calls_ended(self, hook: EndedHook) -> None:
         """Run ``hook`` with the calls each committed write transaction ended, after its commit.
@@ -173,8 +192,10 @@ class StoreBase:
         ended (:func:`note_ended`) to the ``on_calls_ended`` hooks. Every write transaction
         that may end a call opens through here."""
         ended: list[EndedCall] = []
+        actions: list[Callable[[], None]] = []
         with engine.begin() as conn:
             conn.info[ENDED_CALLS] = ended
+            conn.info[AFTER_COMMIT] = actions
             try:
                 yield conn
             except BaseException:
@@ -184,10 +205,18 @@ class StoreBase:
                 # write transaction on that connection, and read ones never add to it.
                 with suppress(Exception):
                     conn.info.pop(ENDED_CALLS, None)
+                    conn.info.pop(AFTER_COMMIT, None)
                 raise
             conn.info.pop(ENDED_CALLS, None)
+            conn.info.pop(AFTER_COMMIT, None)
         if ended:
             self._calls_ended(ended)
+        for action in actions:
+            try:
+                action()
+            except Exception:
+                log.exception("an after-commit action failed",
+                              extra={"action": "after_commit_error"})
 
     @contextmanager
     def read(self) -> Iterator[Connection]:

@@ -17,6 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from dex_tasks.errors import PrunedCallError
 from dex_tasks.policy import EffectClass
 from dex_tasks.states import CallStatus
+from dex_tasks.store import webhooks
 from dex_tasks.store.base import StoreBase
 from dex_tasks.store.models import CallEventRow, CatalogRow, ToolCallRow
 from dex_tasks.store.tables import (
@@ -92,6 +93,7 @@ class Calls(StoreBase):
             conn.execute(INSERT_CALL, dict(row))
             if interrupt is not None:
                 conn.execute(INSERT_INTERRUPT, dict(interrupt))
+                webhooks.announce(conn, self, webhooks.AWAITING, [(row, interrupt)])
             conn.execute(INSERT_EVENT, requested_event(row, requested))
 
         try:
@@ -133,6 +135,9 @@ class Calls(StoreBase):
                 conn.execute(INSERT_CALL, [dict(r) for r in rows])
                 if interrupts:
                     conn.execute(INSERT_INTERRUPT, [dict(i) for i in interrupts])
+                    by_key = {r["key"]: r for r in rows}
+                    webhooks.announce(conn, self, webhooks.AWAITING,
+                                      [(by_key[i["key"]], i) for i in interrupts])
                 conn.execute(INSERT_EVENT, [requested_event(r, requested) for r in rows])
             if then is not None:
                 then(conn)

@@ -4,7 +4,7 @@ The store keeps checkpoints and pending writes as LangGraph serialised them (a t
 bytes) and never looks inside: the integration serialises and the store only upserts, reads
 newest first, and deletes a thread. It imports no LangGraph, so the store layer stays free of
 framework code. Tables: ``dex_checkpoints`` and ``dex_checkpoint_writes`` (``models.py``,
-migration ``0006_checkpoints``), the shape of LangGraph's own SQLite saver.
+migration ``0007_checkpoints``), the shape of LangGraph's own SQLite saver.
 
 Every write is an upsert, so it is safe to run again: each goes through the store's retry
 across a lost connection (``StoreBase._retrying``), like the calls' own writes.

@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import Select, Update, select, update
 
 from dex_tasks.states import CallStatus
-from dex_tasks.store import INTERRUPTS, Move, Store
+from dex_tasks.store import INTERRUPTS, Move, Store, webhooks
 
 log = logging.getLogger("dex_tasks.store.deadlines")
 
@@ -104,6 +104,7 @@ def _expire_batch(store: Store, now: float, batch: int) -> tuple[int, bool]:
              for row in rows],
             allowed={CallStatus.AWAITING_APPROVAL}, now=now, conn=conn,
         )
+        webhooks.announce_keys(conn, store, webhooks.DECIDED, sorted(rejected), now)
     for row in rows:
         if row.key in rejected:
             log.info("approval deadline passed", extra={"action": "approval_expired",
@@ -113,3 +114,33 @@ def _expire_batch(store: Store, now: float, batch: int) -> tuple[int, bool]:
                       extra={"action": "interrupt_inconsistent", "key": row.key,
                              "interrupt_id": row.interrupt_id})
     return len(rows), through is not None
+
+
+def warn_near_deadlines(store: Store, lead_seconds: float, now: float | None = None,
+                        batch: int = EXPIRE_BATCH) -> int:
+    """Announce ``approval_deadline_near`` once for each undecided interrupt whose deadline
+    falls within ``lead_seconds`` from now; returns how many.
+
+    One guarded ``UPDATE`` (``deadline_warned_at IS NULL``) reads the ``(decision,
+    deadline_at)`` index between now and now + lead: O(interrupts due soon), never O(pending).
+    Two sweeps at once serialise on the rows and the second finds them warned. The events are
+    written in the same transaction (``store/webhooks.py``).
+    """
+    now = time.time() if now is None else now
+    with store.write() as conn:
+        keys = list(conn.execute(
+            update(INTERRUPTS)
+            .where(INTERRUPTS.c.decision.is_(None), INTERRUPTS.c.deadline_at >= now,
+                   INTERRUPTS.c.deadline_at <= now + lead_seconds,
+                   INTERRUPTS.c.deadline_warned_at.is_(None),
+                   INTERRUPTS.c.interrupt_id.in_(
+                       select(INTERRUPTS.c.interrupt_id)
+                       .where(INTERRUPTS.c.decision.is_(None),
+                              INTERRUPTS.c.deadline_at >= now,
+                              INTERRUPTS.c.deadline_at <= now + lead_seconds,
+                              INTERRUPTS.c.deadline_warned_at.is_(None))
+                       .order_by(INTERRUPTS.c.deadline_at).limit(batch)))
+            .values(deadline_warned_at=now)
+            .returning(INTERRUPTS.c.key)).scalars())
+        webhooks.announce_keys(conn, store, webhooks.DEADLINE_NEAR, keys, now)
+    return len(keys)

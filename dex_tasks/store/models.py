@@ -91,6 +91,12 @@ class ToolCallRow(SQLModel, table=True):
     created_at: float
     updated_at: float
     finished_at: float | None = None
+    # Edit on approval: the arguments the model asked for, when a person approved other ones
+    # (``arguments`` then holds those, which the tool runs with).
+    original_arguments: str | None = Field(default=None,
+                                           sa_column=Column(JsonText, nullable=True))
+    # Policy snapshot of a rule on the arguments: the rule, its decision and why.
+    approval_rule: str | None = Field(default=None, sa_column=Column(JsonText, nullable=True))
 
 
 class CallEventRow(SQLModel, table=True):
@@ -130,6 +136,52 @@ class InterruptRow(SQLModel, table=True):
     decided_by: str | None = Field(default=None, max_length=APPROVER_MAX)
     decided_at: float | None = None
     reason: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    # Several approvers (policy snapshot): how many distinct approvals decide, holding which
+    # permission; how many were given so far (each one a row of dex_approvals).
+    approvals_required: int = Field(default=1, sa_column_kwargs={"server_default": "1"})
+    approvals_given: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    approver_permission: str | None = Field(default=None, max_length=64)
+    # The tool's own webhook URLs (policy snapshot), besides DEX_WEBHOOK_URLS.
+    webhook_urls: str | None = Field(default=None, sa_column=Column(JsonText, nullable=True))
+    # When approval_deadline_near was announced (the warning sweep sets it once).
+    deadline_warned_at: float | None = None
+
+
+class ApprovalVoteRow(SQLModel, table=True):
+    """One approval of an interrupt that needs several, by one approver (at most one each)."""
+
+    __tablename__ = "dex_approvals"
+
+    interrupt_id: str = Field(primary_key=True, max_length=INTERRUPT_ID_MAX)
+    approver: str = Field(primary_key=True, max_length=APPROVER_MAX)
+    decided_at: float
+
+
+class WebhookRow(SQLModel, table=True):
+    """One delivery of one event to one URL: the outbox row, written in the transaction that
+    made the event, and its delivery attempts (``dex-tasks webhooks``)."""
+
+    __tablename__ = "dex_webhooks"
+    __table_args__ = (
+        # The republish sweep reads only pending deliveries, oldest publish first.
+        Index("ix_dex_webhooks_status_published", "status", "published_at"),
+    )
+
+    delivery_id: str = Field(primary_key=True, max_length=64)
+    event_id: str = Field(index=True, max_length=64)
+    event: str = Field(max_length=64)
+    session_id: str = Field(max_length=SESSION_ID_MAX)
+    key: str = Field(index=True, max_length=KEY_MAX)  # prune deletes a call's deliveries
+    url: str = Field(sa_column=Column(Text, nullable=False))
+    payload: str = Field(sa_column=Column(JsonText, nullable=False))
+    status: str = Field(max_length=16)
+    attempts: int = 0
+    last_status: int | None = None
+    last_error: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    created_at: float
+    updated_at: float
+    published_at: float | None = None
+    delivered_at: float | None = None
 
 
 class MessageRow(SQLModel, table=True):

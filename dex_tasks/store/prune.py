@@ -43,7 +43,7 @@ from sqlalchemy.engine import Connection
 from dex_tasks.errors import InvalidArgumentError
 from dex_tasks.policy import EffectClass
 from dex_tasks.states import TERMINAL, CallStatus, MessageRole
-from dex_tasks.store import CALLS, EVENTS, INTERRUPTS, MESSAGES, Store
+from dex_tasks.store import APPROVALS, CALLS, EVENTS, INTERRUPTS, MESSAGES, WEBHOOKS, Store
 from dex_tasks.store.tables import INSERT_EVENT, PRUNED_EVENT, PRUNED_SESSION
 from dex_tasks.store.transcript import QUEUED, named_keys, names_key
 
@@ -195,6 +195,11 @@ def _delete_calls(conn: Connection, keys: Sequence[str], result: PruneResult) ->
              "from_status": row.status, "to_status": row.status, "detail": None,
              "created_at": now} for row in ran])
         result.tombstones += len(ran)
+    # An interrupt's approvals (several approvers) and the calls' webhook deliveries go with
+    # them (counted with the interrupts and events they belong to: nothing new to report).
+    conn.execute(delete(APPROVALS).where(APPROVALS.c.interrupt_id.in_(
+        select(INTERRUPTS.c.interrupt_id).where(INTERRUPTS.c.key.in_(deleted)))))
+    conn.execute(delete(WEBHOOKS).where(WEBHOOKS.c.key.in_(deleted)))
     result.interrupts += _count(conn.execute(
         delete(INTERRUPTS).where(INTERRUPTS.c.key.in_(deleted))))
     result.tool_messages += _count(conn.execute(

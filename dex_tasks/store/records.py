@@ -37,11 +37,25 @@ class ToolCallRecord(BaseModel):
     interrupt_id: str | None = None
     created_at: datetime
     finished_at: datetime | None = None
+    original_arguments: dict[str, Any] | None = None
+    """The arguments the model asked for, when a person approved edited ones (``arguments``
+    are then those, which the tool ran with); None otherwise."""
+    approval_rule: dict[str, Any] | None = None
+    """The policy snapshot of a rule on the arguments: ``rule``, ``required``, ``reason`` and
+    ``error`` (set when the rule could not be evaluated and the call waited for a person)."""
 
     @property
     def terminal(self) -> bool:
         """True once the call has ended; it never changes after that."""
         return self.status.terminal
+
+    @property
+    def arguments_edit(self) -> str | None:
+        """What the model is told when a person approved edited arguments: which fields
+        changed, from what to what. None when the arguments were not edited."""
+        if self.original_arguments is None:
+            return None
+        return edit_note(self.original_arguments, self.arguments)
 
     @classmethod
     def from_row(cls, row: ToolCallRow) -> ToolCallRecord:
@@ -63,7 +77,33 @@ class ToolCallRecord(BaseModel):
             interrupt_id=row.interrupt_id,
             created_at=_dt(row.created_at),
             finished_at=_dt(row.finished_at),
+            original_arguments=_json_or_none(getattr(row, "original_arguments", None)),
+            approval_rule=_json_or_none(getattr(row, "approval_rule", None)),
         )
+
+
+def _json_or_none(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+def edit_note(original: Mapping[str, Any], edited: Mapping[str, Any]) -> str:
+    """``the arguments were edited before approval: amount_cents 50000 -> 20000`` (each
+    changed, added or removed field, in name order)."""
+    changes = []
+    for name in sorted(set(original) | set(edited)):
+        before, after = original.get(name, _ABSENT), edited.get(name, _ABSENT)
+        if before == after:
+            continue
+        changes.append(f"{name} {_shown(before)} -> {_shown(after)}")
+    return ("the arguments were edited before approval: " + "; ".join(changes)
+            if changes else "the arguments were approved unchanged")
+
+
+_ABSENT = object()
+
+
+def _shown(value: Any) -> str:
+    return "(absent)" if value is _ABSENT else json.dumps(value, sort_keys=True)
 
 
 class CallEvent(BaseModel):
@@ -104,6 +144,12 @@ class PendingInterrupt(BaseModel):
     effect: EffectClass
     deadline: datetime | None = None
     created_at: datetime
+    approvals_required: int = 1
+    """How many distinct approvals decide it (the first rejection decides at once)."""
+    approved_by: list[str] = []
+    """Who approved so far, in order (when several approvals are needed)."""
+    approver_permission: str | None = None
+    """The permission an approver's token must hold, if the policy names one."""
 
 
 class Decision(BaseModel):
@@ -124,6 +170,10 @@ class Decision(BaseModel):
     reason: str | None = None
     deadline: datetime | None = None
     call_status: CallStatus
+    approved_by: list[str] = []
+    """Every approver, in order, when several approvals were needed."""
+    original_arguments: dict[str, Any] | None = None
+    """The model's arguments when the approval edited them (``arguments`` are the edited)."""
 
 
 class SessionMessage(BaseModel):

@@ -19,12 +19,14 @@ from sqlalchemy.sql.operators import custom_op
 from dex_tasks.states import CallStatus
 from dex_tasks.store.connections import store_now
 from dex_tasks.store.models import (
+    ApprovalVoteRow,
     CallEventRow,
     CatalogRow,
     InterruptRow,
     MessageRow,
     ToolCallRow,
     TurnRow,
+    WebhookRow,
 )
 
 log = logging.getLogger("dex_tasks.store")
@@ -35,6 +37,8 @@ INTERRUPTS = InterruptRow.__table__  # type: ignore[attr-defined]
 CATALOG = CatalogRow.__table__  # type: ignore[attr-defined]
 MESSAGES = MessageRow.__table__  # type: ignore[attr-defined]
 TURNS = TurnRow.__table__  # type: ignore[attr-defined]
+APPROVALS = ApprovalVoteRow.__table__  # type: ignore[attr-defined]
+WEBHOOKS = WebhookRow.__table__  # type: ignore[attr-defined]
 
 
 def readable_calls(rows: Iterable[Any]) -> list[ToolCallRow]:

@@ -34,7 +34,7 @@ from billiard.exceptions import SoftTimeLimitExceeded, WorkerLostError
 from celery import Celery, Task
 from sqlalchemy.exc import DataError
 
-from dex_tasks.broker import notify
+from dex_tasks.broker import notify, webhooks
 from dex_tasks.broker.celery_app import publish
 from dex_tasks.broker.redis_clients import connector, redis_client
 from dex_tasks.errors import OutcomeUnknownError, TransientToolError
@@ -64,6 +64,8 @@ class Runtime:
         # Every runtime ends calls (worker children, the main process, sweeps): announce each
         # one on Redis after its commit, which wakes its waiters and counts it for /metrics.
         notify.install(self.store, self.settings.redis_url, connector(self.settings))
+        # Approval events it writes (the deadline sweeps) are sent as webhooks after commit.
+        webhooks.install(self.store, self.settings, lambda: self.app)
 
 
 _runtime: Runtime | None = None

@@ -31,7 +31,7 @@ from dex_tasks.broker.celery_app import (
 )
 from dex_tasks.errors import CallFailure
 from dex_tasks.settings import DexSettings
-from dex_tasks.worker import hooks
+from dex_tasks.worker import hooks, webhooks
 from dex_tasks.worker.execution import (
     handle_lost_attempt,
     owner_id,
@@ -229,6 +229,8 @@ def register_tasks(app: Celery) -> None:
               send_events=False)
     def sweep(self: Task, job: str) -> Any:
         return run_job(runtime(self.app), job)
+
+    webhooks.register(app)
 
 
 def worker_app(settings: DexSettings, tools: Iterable[str] = (), *, pool: str = "prefork",

@@ -19,6 +19,7 @@ from sqlalchemy import func, select
 
 from dex_tasks.broker import routing
 from dex_tasks.broker.celery_app import publish
+from dex_tasks.broker.webhooks import publish as publish_webhooks
 from dex_tasks.errors import StoreUnavailableError
 from dex_tasks.policy import EffectClass
 from dex_tasks.states import CallStatus
@@ -30,6 +31,7 @@ from dex_tasks.store import (
     readable_calls,
     transcript,
 )
+from dex_tasks.store import webhooks as webhook_outbox
 from dex_tasks.store.calls import unsent
 from dex_tasks.store.models import ToolCallRow
 from dex_tasks.worker import claims
@@ -348,6 +350,24 @@ def expire_approvals(rt: Runtime, now: float | None = None) -> int:
     return deadlines.expire_overdue(rt.store, now)
 
 
+def warn_deadlines(rt: Runtime, now: float | None = None) -> int:
+    """Announce ``approval_deadline_near`` (webhooks) for deadlines within the lead time."""
+    return deadlines.warn_near_deadlines(rt.store, rt.settings.webhook_deadline_lead_seconds,
+                                         now)
+
+
+def republish_webhooks(rt: Runtime, now: float | None = None) -> int:
+    """Send again the webhook deliveries still pending that no worker touched for longer than
+    any retry waits (a publish lost, a worker gone with its retry); returns how many."""
+    now = time.time() if now is None else now
+    quiet = (rt.settings.webhook_backoff_max_seconds + rt.settings.webhook_timeout_seconds
+             + rt.settings.republish_after_seconds)
+    ids = webhook_outbox.stale_pending(rt.store, now - quiet)
+    if ids:
+        publish_webhooks(rt.app, ids)
+    return len(ids)
+
+
 def deliver_messages(rt: Runtime, now: float | None = None) -> int:
     """Deliver queued user messages whose turn is over (a safety net: ending a turn's last
     call delivers them in the same transaction); returns how many."""
@@ -395,6 +415,8 @@ _RECONCILE_CURSOR = "dex:reconcile-cursor"
 
 JOBS: dict[str, Callable[..., int]] = {
     "expire_approvals": expire_approvals,
+    "warn_deadlines": warn_deadlines,
+    "republish_webhooks": republish_webhooks,
     "deliver_messages": deliver_messages,
     "reap_expired_leases": reap_expired_leases,
     "republish_stranded": republish_stranded,

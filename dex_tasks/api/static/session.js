@@ -23,7 +23,7 @@
   // Names the store writes; EventSource only delivers named events we listen for.
   const EVENT_NAMES = [
     "tool_call_requested", "tool_call_awaiting_approval", "tool_call_queued",
-    "tool_call_started", "tool_call_finished",
+    "tool_call_started", "tool_call_finished", "tool_call_approval_counted",
   ];
   const TERMINAL = new Set(["succeeded", "failed", "rejected", "outcome_unknown"]);
   const ACTIVITY_LIMIT = 50;
@@ -172,6 +172,23 @@
     card.dataset.deadline = deadline === null ? "" : String(deadline);
     card.dataset.created = String(parseTime(item.created_at));
     setDeadline(card, deadline);
+    // Several approvers: who approved so far, out of how many.
+    const needed = item.approvals_required || 1;
+    const line = card.querySelector(".approvals-line");
+    line.hidden = needed <= 1;
+    if (needed > 1) {
+      const so = (item.approved_by || []).join(", ") || "nobody yet";
+      line.textContent = (item.approved_by || []).length + " of " + needed + " approvals" +
+        (item.approver_permission ? " (holding " + item.approver_permission + ")" : "") +
+        " · approved so far: " + so;
+    }
+    const edit = card.querySelector(".edit-args");
+    if (edit && !edit.dataset.touched) {
+      edit.value = pretty(item.arguments);
+      edit.addEventListener("input", () => { edit.dataset.touched = "true"; }, { once: true });
+    }
+    const editBox = card.querySelector(".edit");
+    if (editBox) editBox.hidden = needed > 1;  // edits need a single approver
     const call = callsByKey.get(item.key);
     card.dataset.status = call ? call.status : "awaiting_approval";
     tickCard(card);
@@ -235,7 +252,16 @@
     const who = item.decision === "expired"
       ? "expired at the deadline"
       : item.decision + " by " + (item.decided_by || "an unnamed token holder");
-    setText(card, ".who", who + " · " + clockTime.format(when) + " (" + ago(when) + ")");
+    const approvers = (item.approved_by || []).length > 1
+      ? " (approvals: " + item.approved_by.join(", ") + ")" : "";
+    setText(card, ".who", who + approvers + " · " + clockTime.format(when) + " (" +
+      ago(when) + ")");
+    const edited = card.querySelector(".edited");
+    edited.hidden = !item.original_arguments;
+    if (item.original_arguments) {
+      edited.textContent = "approved with edited arguments; the model asked for " +
+        JSON.stringify(item.original_arguments);
+    }
     setDeadline(card, item.deadline ? parseTime(item.deadline) : null);
     const reason = card.querySelector(".reason");
     reason.textContent = visible(item.reason || "");
@@ -412,6 +438,18 @@
 
   async function decide(card, approved) {
     const message = card.querySelector(".reject-message").value.trim();
+    // Edit on approval: the edit box's JSON, sent only when it differs from the model's.
+    let edited = null;
+    const edit = card.querySelector(".edit-args");
+    if (approved && edit && edit.dataset.touched) {
+      try {
+        edited = JSON.parse(edit.value);
+      } catch (e) {
+        showNote(card, "The edited arguments are not JSON: " + e.message);
+        return;
+      }
+      if (card.querySelector(".args").textContent === pretty(edited)) edited = null;
+    }
     card.dataset.busy = "true";
     card.querySelectorAll("button, input").forEach((el) => { el.disabled = true; });
     showNote(card, approved ? "Approving..." : "Rejecting...");
@@ -425,6 +463,7 @@
           approved: approved,
           rejection_message: approved || !message ? null : message,
           session_id: sessionId,
+          arguments: edited,
         }),
       });
       const body = await response.json();

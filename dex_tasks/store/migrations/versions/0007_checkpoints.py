@@ -4,8 +4,8 @@
 Their shape is LangGraph's own SQLite saver's (a checkpoint per thread, namespace and id with
 its parent; a task's pending writes by index), the blobs in LangGraph's serializer's format.
 
-Revision ID: 0006_checkpoints
-Revises: 0005_durable_turns
+Revision ID: 0007_checkpoints
+Revises: 0006_approvals_webhooks
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0006_checkpoints"
-down_revision = "0005_durable_turns"
+revision = "0007_checkpoints"
+down_revision = "0006_approvals_webhooks"
 branch_labels = None
 depends_on = None
 
