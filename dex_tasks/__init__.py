@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dex_tasks.agent.approvals import ApproverPermissionError, InvalidEditError
     from dex_tasks.agent.async_client import AsyncDexClient
-    from dex_tasks.agent.calls import ToolCallRequest
+    from dex_tasks.agent.calls import ToolCallRequest, key_part
     from dex_tasks.agent.client import DexClient, idempotency_key
     from dex_tasks.agent.reconcile import report_unknown_outcomes, report_unknown_outcomes_sync
     from dex_tasks.errors import (
@@ -117,6 +117,7 @@ _LAZY: dict[str, str] = {
     "TurnStep": "dex_tasks.store.records",
     "TokenClaims": "dex_tasks.tokens",
     "issue_token": "dex_tasks.tokens",
+    "key_part": "dex_tasks.agent.calls",
     "read_token": "dex_tasks.tokens",
     "verify_token": "dex_tasks.tokens",
 }
@@ -173,6 +174,7 @@ __all__ = [
     "define_tool",
     "idempotency_key",
     "issue_token",
+    "key_part",
     "read_token",
     "report_unknown_outcomes",
     "report_unknown_outcomes_sync",

@@ -337,7 +337,7 @@ def test_an_agent_killed_while_its_tool_runs_is_re_invoked_without_running_the_t
 def test_framework_ids_map_to_valid_deterministic_key_parts() -> None:
     assert key_part("lc_run--019a-0") == "lc_run--019a-0"
     slashed = key_part("user/42")
-    assert slashed.startswith("user_42~") and slashed == key_part("user/42")
+    assert slashed == "user~2f42" and slashed == key_part("user/42")
     assert key_part("user/42") != key_part("user_42")
     long_id = "x" * 500
     assert len(key_part(long_id)) <= 160 and key_part(long_id) != key_part("x" * 499)

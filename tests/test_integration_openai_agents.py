@@ -47,6 +47,7 @@ from agents.testing import ModelCall, ModelStep, ScriptedModel, assistant_messag
 
 from dex_tasks import TOOL_DID_NOT_RUN, AsyncDexClient, CallStatus, DexClient, UnknownToolError
 from dex_tasks.integrations.openai_agents import (
+    ApprovalPendingError,
     apply_dex_decisions,
     dex_context,
     dex_function_tools,
@@ -172,7 +173,7 @@ def test_rerunning_a_step_never_starts_its_tool_twice(
     (key,) = executions
     session_id, turn_id, tool_call_id = key.split("/")
     assert (session_id, turn_id) == (context["session_id"], context["turn_id"])
-    assert tool_call_id.startswith("callxxx") and len(tool_call_id) <= 100
+    assert tool_call_id.startswith("call~2fxxx") and len(tool_call_id) <= 160
 
     # Within one run the SDK itself never treats one call id as two calls: a model that
     # repeats a call with its id in the next response does not run the tool again.
@@ -337,9 +338,13 @@ def test_approving_in_the_sdk_alone_runs_nothing(client: DexClient, ledger_path:
 
     # Given an approval made on the RunState only, nobody having decided in dex-tasks,
     paused.approve(item)
-    # when the run resumes, the tool does not run: the call waits for a person.
-    with pytest.raises(UserError, match="awaits a person's approval in dex-tasks"):
+    # when the run resumes, the tool does not run: the call waits for a person. The error is
+    # the adapter's own (an AgentsException the SDK passes on, not a UserError), and the run
+    # stays resumable: the paused state is intact and the call is recorded.
+    with pytest.raises(ApprovalPendingError, match="awaits a person's approval") as raised:
         asyncio.run(Runner.run(agent, paused))
+    assert not isinstance(raised.value, UserError)
+    assert [i.call_id for i in paused.get_interruptions()] == [item.call_id]
     record = client.get_tool_call("sa/t1/call_refund")
     assert record.status is CallStatus.AWAITING_APPROVAL
     assert ledger.executions(ledger_path) == {}

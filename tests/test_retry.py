@@ -90,12 +90,14 @@ def test_transient_error_on_single_attempt_path_fails_at_once(effect: EffectClas
 )
 def test_after_worker_lost(effect: EffectClass, used: int, maximum: int,
                            status: CallStatus | None) -> None:
-    decision = after_worker_lost(effect, used, maximum, "child killed")
+    decision = after_worker_lost(effect, used, maximum, "child killed", key="s/t/c-1")
     assert decision.retry is (status is None)
     assert decision.status is status
     if status is CallStatus.OUTCOME_UNKNOWN:
         assert decision.error is not None
         assert decision.error.startswith(f"{OUTCOME_UNKNOWN_TOOL_RESULT}: child killed")
+        # The model is told which key to check with the service (issue 18).
+        assert "idempotency key 's/t/c-1'" in decision.error
     if status is CallStatus.FAILED:
         assert decision.error is not None and "child killed" in decision.error
 

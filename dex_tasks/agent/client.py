@@ -38,6 +38,7 @@ from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
 from dex_tasks.store import Store, catalog, journal, transcript
 from dex_tasks.store.calls import unsent
 from dex_tasks.store.catalog import ToolSpec
+from dex_tasks.store.checkpoints import Checkpoints
 from dex_tasks.store.models import ToolCallRow
 from dex_tasks.store.records import (
     AgentSnapshot,
@@ -104,6 +105,11 @@ class DexClient:
         if self._app is None:
             self._app = create_app(self.settings, publisher=True)
         return self._app
+
+    @property
+    def checkpoints(self) -> Checkpoints:
+        """LangGraph checkpoints kept in this client's store (what ``DexCheckpointer`` uses)."""
+        return Checkpoints(self.store)
 
     @property
     def watcher(self) -> notify.CallWatcher:

@@ -44,18 +44,30 @@ new answer's calls are new calls (``"exit"`` widens that window to the whole run
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import json
-import re
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 try:
     from langchain.agents.middleware import AgentMiddleware, AgentState, ToolCallRequest
+    from langchain_core.callbacks.manager import AsyncCallbackManager, CallbackManager
     from langchain_core.messages import AIMessage, ToolCall, ToolMessage
     from langchain_core.runnables import RunnableConfig
     from langchain_core.tools import BaseTool, StructuredTool
+    from langgraph.checkpoint.base import (
+        WRITES_IDX_MAP,
+        BaseCheckpointSaver,
+        ChannelVersions,
+        Checkpoint,
+        CheckpointMetadata,
+        CheckpointTuple,
+        get_checkpoint_id,
+        get_checkpoint_metadata,
+    )
+    from langgraph.checkpoint.serde.base import SerializerProtocol
     from langgraph.prebuilt import ToolRuntime
     from langgraph.types import Command, StateSnapshot, interrupt
 except ImportError as err:  # pragma: no cover - exercised by a subprocess test
@@ -74,9 +86,17 @@ from dex_tasks import (
     ToolCallRecord,
     ToolSpec,
     UnknownToolError,
+    key_part,
 )
 
-__all__ = ["DEX_APPROVAL", "DexMiddleware", "dex_tools", "key_part", "resume_command"]
+__all__ = [
+    "DEX_APPROVAL",
+    "DexCheckpointer",
+    "DexMiddleware",
+    "dex_tools",
+    "key_part",
+    "resume_command",
+]
 
 DEX_APPROVAL = "dex_approval"
 """The ``type`` of every interrupt value this adapter raises."""
@@ -84,41 +104,14 @@ DEX_APPROVAL = "dex_approval"
 DEFAULT_WAIT_TIMEOUT = 300.0
 """Seconds a tool node waits for a call's result before it raises ``TimeoutError``."""
 
-# A framework id is used as it is when it is short and holds nothing the key format refuses;
-# otherwise it is mapped to a readable prefix and a hash of the whole id, the same every time.
-# 160 characters each keeps the three parts and their separators within the 512-character key.
-_PLAIN_ID = re.compile(r"[^/\x00-\x1f\x7f]{1,160}")
-_PREFIX_CHARS = 100
-
-
-def key_part(value: str) -> str:
-    """The dex id for a LangGraph id (a thread id, a message id, a tool-call id).
-
-    The id itself when it is at most 160 characters without ``/`` or control characters;
-    otherwise its first 100 characters (``/`` and control characters made ``_``), ``~`` and 32
-    hex digits of its SHA-256, so the same framework id always gives the same key.
-    """
-    if _PLAIN_ID.fullmatch(value) and _encodable(value):
-        return value
-    readable = re.sub(r"[/\x00-\x1f\x7f]", "_", value[:_PREFIX_CHARS])
-    readable = readable.encode("utf-8", "replace").decode("utf-8")
-    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-    return f"{readable}~{digest}"
-
-
-def _encodable(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate
-        return False
-    return True
-
 
 @dataclass(frozen=True)
 class _CallIds:
     session_id: str
     turn_id: str
     tool_call_id: str
+    # Every call of the AI message holding this one: the model response's parallel calls.
+    siblings: tuple[ToolCall, ...] = ()
 
 
 def _call_ids(call: ToolCall, state: Any, config: RunnableConfig) -> _CallIds:
@@ -142,7 +135,8 @@ def _call_ids(call: ToolCall, state: Any, config: RunnableConfig) -> _CallIds:
             f"no AI message with an id in the graph state holds tool call {call_id!r}: its "
             "id is the dex turn id"
         )
-    return _CallIds(key_part(str(thread_id)), key_part(message.id), key_part(call_id))
+    return _CallIds(key_part(str(thread_id)), key_part(message.id), key_part(call_id),
+                    tuple(message.tool_calls))
 
 
 def _messages_of(state: Any) -> Sequence[Any]:
@@ -211,6 +205,7 @@ class _Runner:
         client: DexClient | AsyncDexClient,
         wait_timeout: float,
         default_effect: EffectClass | str | None,
+        local_tools: Iterable[str | BaseTool] = (),
     ) -> None:
         if isinstance(client, AsyncDexClient):
             self.sync: DexClient = client.sync
@@ -228,6 +223,10 @@ class _Runner:
                                        f"got {wait_timeout!r}")
         self.wait_timeout = float(wait_timeout)
         self.default_effect = default_effect
+        if isinstance(local_tools, str):
+            raise InvalidArgumentError(f"local_tools must be a list of tools or tool names, "
+                                       f"got the string {local_tools!r}")
+        self.local_tools = frozenset(t if isinstance(t, str) else t.name for t in local_tools)
         # LangGraph runs a step's tool calls in threads: create the client's Celery app now,
         # as DexClient.app would lazily, so that two threads never race to build two.
         _ = self.sync.app
@@ -238,12 +237,39 @@ class _Runner:
             self._async = AsyncDexClient(client=self.sync)
         return self._async
 
-    def run(self, call: ToolCall, state: Any, config: RunnableConfig) -> ToolMessage:
-        ids = _call_ids(call, state, config)
-        record = self.sync.call_tool(
+    def batch(self, ids: _CallIds) -> list[dict[str, Any]]:
+        """The dex calls of the model response holding a call (its local tools left out)."""
+        return [{"tool_call_id": key_part(str(c["id"])), "tool": c["name"], "arguments": c["args"]}
+                for c in ids.siblings if c.get("id") and c["name"] not in self.local_tools]
+
+    def record(self, call: ToolCall, ids: _CallIds) -> ToolCallRecord:
+        """The call's record, the response's parallel calls recorded with it.
+
+        LangGraph runs a response's calls one node task each, in parallel: the first to get
+        here records all of them in one transaction and starts them with one publish
+        (``call_tools``); the others find them recorded. A response naming a tool no worker
+        serves is recorded call by call, so that only that call is answered as unknown.
+        """
+        batch = self.batch(ids)
+        if len(batch) > 1:
+            try:
+                records = self.sync.call_tools(batch, session_id=ids.session_id,
+                                               turn_id=ids.turn_id,
+                                               default_effect=self.default_effect)
+            except UnknownToolError:
+                pass
+            else:
+                for record in records:
+                    if record.tool_call_id == ids.tool_call_id:
+                        return record
+        return self.sync.call_tool(
             session_id=ids.session_id, turn_id=ids.turn_id, tool_call_id=ids.tool_call_id,
             tool=call["name"], arguments=call["args"], default_effect=self.default_effect,
         )
+
+    def run(self, call: ToolCall, state: Any, config: RunnableConfig) -> ToolMessage:
+        ids = _call_ids(call, state, config)
+        record = self.record(call, ids)
         # The first pass pauses the graph here. A resumed (re-run) node gets the same record
         # back from call_tool; if it is still undecided, the resume value was premature or
         # forged: interrupt again, which pauses the graph anew.
@@ -257,10 +283,7 @@ class _Runner:
     async def arun(self, call: ToolCall, state: Any, config: RunnableConfig) -> ToolMessage:
         ids = _call_ids(call, state, config)
         client = self.aclient
-        record = await client.call_tool(
-            session_id=ids.session_id, turn_id=ids.turn_id, tool_call_id=ids.tool_call_id,
-            tool=call["name"], arguments=call["args"], default_effect=self.default_effect,
-        )
+        record = await asyncio.to_thread(self.record, call, ids)
         while record.status is CallStatus.AWAITING_APPROVAL:  # see run()
             interrupt(_interrupt_value(record, call))
             record = await client.get_tool_call(record.key)
@@ -302,8 +325,14 @@ class DexMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
     default effect class for tools with neither a policy nor MCP hints.
 
     The agent's own tools (if any) only tell the model what it may call; their code is not run
-    in the agent process. A call of a tool the agent does not have and the workers do not serve
+    in the agent process, except the tools named in ``local_tools`` (tools or names), which run
+    in the agent process as LangGraph runs them, without dex-tasks: a calculator, a tool
+    outside the catalog. A call of a tool the agent does not have and the workers do not serve
     is answered with an error ``ToolMessage``, as LangGraph answers an unknown tool name.
+
+    Each dex call is reported to LangChain's callbacks as a tool run (``on_tool_start`` /
+    ``on_tool_end``, so ``astream_events`` shows it), and one model response's parallel
+    calls are recorded in one transaction and sent with one publish (``call_tools``).
     """
 
     def __init__(
@@ -312,37 +341,70 @@ class DexMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         *,
         wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
         default_effect: EffectClass | str | None = None,
+        local_tools: Iterable[str | BaseTool] = (),
     ) -> None:
         super().__init__()
-        self._runner = _Runner(client, wait_timeout, default_effect)
+        self._runner = _Runner(client, wait_timeout, default_effect, local_tools)
 
     def wrap_tool_call(
         self,
         request: ToolCallRequest,
         handler: Callable[[ToolCallRequest], ToolMessage | Command[Any]],
     ) -> ToolMessage | Command[Any]:
-        """Run the call through dex-tasks (``handler``, the in-process tool, is not called)."""
+        """Run the call through dex-tasks (``handler``, the in-process tool, is called only for
+        ``local_tools``)."""
+        call = request.tool_call
+        if call["name"] in self._runner.local_tools:
+            return handler(request)
+        config = request.runtime.config
+        events = CallbackManager.configure(
+            inheritable_callbacks=config.get("callbacks"), inheritable_tags=config.get("tags"),
+            inheritable_metadata=config.get("metadata"))
+        run = events.on_tool_start({"name": call["name"]}, json.dumps(call["args"], default=str),
+                                   name=call["name"], inputs=call["args"],
+                                   tool_call_id=call.get("id"))
         try:
-            return self._runner.run(request.tool_call, request.state, request.runtime.config)
+            message = self._runner.run(call, request.state, config)
         except UnknownToolError as err:
             if request.tool is not None:
+                run.on_tool_error(err)
                 raise  # the agent has the tool but no worker serves it: a deployment error
-            return _unknown_tool_message(request.tool_call, err)
+            message = _unknown_tool_message(call, err)
+        except (Exception, KeyboardInterrupt) as err:  # as BaseTool.run reports it
+            run.on_tool_error(err)
+            raise
+        run.on_tool_end(message)
+        return message
 
     async def awrap_tool_call(
         self,
         request: ToolCallRequest,
         handler: Callable[[ToolCallRequest], Awaitable[ToolMessage | Command[Any]]],
     ) -> ToolMessage | Command[Any]:
-        """The async form of :meth:`wrap_tool_call`, for ``ainvoke`` and ``astream``."""
+        """The async form of :meth:`wrap_tool_call`, for ``ainvoke``, ``astream`` and
+        ``astream_events``."""
+        call = request.tool_call
+        if call["name"] in self._runner.local_tools:
+            return await handler(request)
+        config = request.runtime.config
+        events = AsyncCallbackManager.configure(
+            inheritable_callbacks=config.get("callbacks"), inheritable_tags=config.get("tags"),
+            inheritable_metadata=config.get("metadata"))
+        run = await events.on_tool_start(
+            {"name": call["name"]}, json.dumps(call["args"], default=str), name=call["name"],
+            inputs=call["args"], tool_call_id=call.get("id"))
         try:
-            return await self._runner.arun(
-                request.tool_call, request.state, request.runtime.config
-            )
+            message = await self._runner.arun(call, request.state, config)
         except UnknownToolError as err:
             if request.tool is not None:
+                await run.on_tool_error(err)
                 raise
-            return _unknown_tool_message(request.tool_call, err)
+            message = _unknown_tool_message(call, err)
+        except (Exception, KeyboardInterrupt) as err:
+            await run.on_tool_error(err)
+            raise
+        await run.on_tool_end(message)
+        return message
 
 
 def dex_tools(
@@ -428,3 +490,137 @@ def resume_command(state: StateSnapshot) -> Command[Any]:
     if not pending:
         raise InvalidArgumentError("no dex approval is pending in this graph state")
     return Command(resume=pending)
+
+
+# -- the checkpointer -------------------------------------------------------------------------
+
+
+class DexCheckpointer(BaseCheckpointSaver[str]):
+    """LangGraph's checkpointer on the dex store (SQLite or PostgreSQL), so that an agent
+    needs no second database: ``create_agent(..., checkpointer=DexCheckpointer(client))``.
+
+    Checkpoints and pending writes are serialised by LangGraph's serializer (``serde``, its
+    default unless given) into ``dex_checkpoints`` and ``dex_checkpoint_writes``; every write
+    is retried across a lost connection like the store's own. The async methods run the same
+    code in a thread. Any process with a client on the same store resumes the thread.
+    """
+
+    def __init__(self, client: DexClient | AsyncDexClient, *,
+                 serde: SerializerProtocol | None = None) -> None:
+        super().__init__(serde=serde)
+        sync = _sync_client(client)
+        self._store = sync.checkpoints
+
+    # -- sync ---------------------------------------------------------------------------------
+
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        """The checkpoint ``config`` names (its ``checkpoint_id``), else the thread's newest."""
+        conf = config["configurable"]
+        found = self._store.get(str(conf["thread_id"]), conf.get("checkpoint_ns", ""),
+                                get_checkpoint_id(config))
+        return None if found is None else self._tuple(found)
+
+    def list(self, config: RunnableConfig | None, *, filter: dict[str, Any] | None = None,
+             before: RunnableConfig | None = None,
+             limit: int | None = None) -> Iterator[CheckpointTuple]:
+        """Checkpoints newest first: of ``config``'s thread (and namespace, if given), whose
+        metadata has ``filter``'s values, older than ``before``, at most ``limit``."""
+        conf = (config or {}).get("configurable") or {}
+        thread_id = conf.get("thread_id")
+        found = self._store.list(
+            thread_id=None if thread_id is None else str(thread_id),
+            checkpoint_ns=conf.get("checkpoint_ns"),
+            checkpoint_id=get_checkpoint_id(config) if config else None,
+            before=get_checkpoint_id(before) if before else None,
+            limit=limit, metadata_filter=filter)
+        for stored in found:
+            yield self._tuple(stored)
+
+    def put(self, config: RunnableConfig, checkpoint: Checkpoint,
+            metadata: CheckpointMetadata, new_versions: ChannelVersions) -> RunnableConfig:
+        """Save a checkpoint; returns the config that names it."""
+        conf = config["configurable"]
+        thread_id = str(conf["thread_id"])
+        checkpoint_ns = conf.get("checkpoint_ns", "")
+        type_, blob = self.serde.dumps_typed(checkpoint)
+        self._store.put(thread_id, checkpoint_ns, checkpoint["id"], conf.get("checkpoint_id"),
+                        type_, blob, get_checkpoint_metadata(config, metadata))
+        return {"configurable": {"thread_id": thread_id, "checkpoint_ns": checkpoint_ns,
+                                 "checkpoint_id": checkpoint["id"]}}
+
+    def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]],
+                   task_id: str, task_path: str = "") -> None:
+        """Save a task's writes against the checkpoint ``config`` names."""
+        conf = config["configurable"]
+        stored = [(WRITES_IDX_MAP.get(channel, idx), channel, *self.serde.dumps_typed(value))
+                  for idx, (channel, value) in enumerate(writes)]
+        self._store.put_writes(str(conf["thread_id"]), conf.get("checkpoint_ns", ""),
+                               str(conf["checkpoint_id"]), task_id, task_path, stored)
+
+    def delete_thread(self, thread_id: str) -> None:
+        """Delete every checkpoint and write of a thread."""
+        self._store.delete_thread(str(thread_id))
+
+    def get_next_version(self, current: str | None, channel: None) -> str:
+        """LangGraph's string versions (as its SQLite and in-memory savers make them)."""
+        if current is None:
+            current_v = 0
+        elif isinstance(current, int):
+            current_v = current
+        else:
+            current_v = int(current.split(".")[0])
+        return f"{current_v + 1:032}.{random.random():016}"
+
+    # -- async: the same, in a thread -------------------------------------------------------------
+
+    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        """:meth:`get_tuple` in a thread."""
+        return await asyncio.to_thread(self.get_tuple, config)
+
+    async def alist(self, config: RunnableConfig | None, *,
+                    filter: dict[str, Any] | None = None, before: RunnableConfig | None = None,
+                    limit: int | None = None) -> AsyncIterator[CheckpointTuple]:
+        """:meth:`list` in a thread."""
+        found = await asyncio.to_thread(
+            lambda: list(self.list(config, filter=filter, before=before, limit=limit)))
+        for item in found:
+            yield item
+
+    async def aput(self, config: RunnableConfig, checkpoint: Checkpoint,
+                   metadata: CheckpointMetadata,
+                   new_versions: ChannelVersions) -> RunnableConfig:
+        """:meth:`put` in a thread."""
+        return await asyncio.to_thread(self.put, config, checkpoint, metadata, new_versions)
+
+    async def aput_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]],
+                          task_id: str, task_path: str = "") -> None:
+        """:meth:`put_writes` in a thread."""
+        await asyncio.to_thread(self.put_writes, config, writes, task_id, task_path)
+
+    async def adelete_thread(self, thread_id: str) -> None:
+        """:meth:`delete_thread` in a thread."""
+        await asyncio.to_thread(self.delete_thread, thread_id)
+
+    def _tuple(self, stored: Any) -> CheckpointTuple:
+        # ``stored``: a dex_tasks.store.checkpoints.StoredCheckpoint
+        ids = {"thread_id": stored.thread_id, "checkpoint_ns": stored.checkpoint_ns}
+        return CheckpointTuple(
+            config={"configurable": {**ids, "checkpoint_id": stored.checkpoint_id}},
+            checkpoint=self.serde.loads_typed((stored.type or "", stored.checkpoint)),
+            metadata=cast(CheckpointMetadata, stored.metadata),
+            parent_config=({"configurable": {**ids,
+                                             "checkpoint_id": stored.parent_checkpoint_id}}
+                           if stored.parent_checkpoint_id else None),
+            pending_writes=[(w.task_id, w.channel,
+                             self.serde.loads_typed((w.type or "", w.value or b"")))
+                            for w in stored.writes],
+        )
+
+
+def _sync_client(client: DexClient | AsyncDexClient) -> DexClient:
+    if isinstance(client, AsyncDexClient):
+        return client.sync
+    if isinstance(client, DexClient):
+        return client
+    raise InvalidArgumentError(
+        f"client must be a DexClient or an AsyncDexClient, got {type(client).__name__}")

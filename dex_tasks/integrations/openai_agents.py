@@ -29,8 +29,8 @@ How it works:
   (a mapping context needs no deserializer), so a resumed, replayed or re-run step finds its
   call instead of starting a new one. Use one ``turn_id`` per ``Runner.run`` on new input: fake
   models reuse call ids from one run to the next, and within a run the SDK itself refuses to
-  treat one call id as two invocations. A call id too long for a key, or holding ``/``, is
-  mapped to a short prefix and a hash of it: the same id always gives the same key.
+  treat one call id as two invocations. The call id goes into the key through
+  ``dex_tasks.key_part``, one-to-one: two different call ids never give one key.
 * Approval uses the SDK's human-in-the-loop: a call whose policy needs approval pauses the run
   (``result.interruptions``). :func:`apply_dex_decisions` records each pending call in dex-tasks,
   which holds it ``awaiting_approval`` with an interrupt a person decides
@@ -49,10 +49,11 @@ How it works:
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
+import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, MutableMapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 try:
@@ -64,7 +65,13 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     ) from err
 from agents import (
     Agent,
+    AgentsException,
     FunctionTool,
+    Model,
+    ModelProvider,
+    ModelResponse,
+    MultiProvider,
+    RunConfig,
     RunContextWrapper,
     RunState,
     Tool,
@@ -73,9 +80,13 @@ from agents import (
     ToolInputGuardrailData,
     ToolInputGuardrailTripwireTriggered,
 )
+from agents.items import TResponseOutputItem
+from agents.run_config import CallModelData, ModelInputData
 from agents.strict_schema import ensure_strict_json_schema
 from agents.tool_context import ToolContext
-from openai.types.responses import ResponseFunctionToolCall
+from agents.usage import Usage
+from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage
+from pydantic import TypeAdapter
 
 from dex_tasks import (
     TOOL_DID_NOT_RUN,
@@ -90,43 +101,66 @@ from dex_tasks import (
     ToolSpec,
     UnknownToolError,
     idempotency_key,
+    key_part,
 )
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "ApprovalPendingError",
+    "CallStillRunningError",
     "apply_dex_decisions",
     "dex_context",
     "dex_function_tools",
+    "dex_run_config",
 ]
+
+log = logging.getLogger("dex_tasks.integrations.openai_agents")
 
 DEFAULT_TIMEOUT = 120.0
 """Seconds a tool invocation waits for its call to end before it raises ``TimeoutError``."""
 
-# A model's call id goes into the key as it is when it is at most this long and holds no "/";
-# otherwise a readable prefix and a hash stand for it. OpenAI's ids are about 30 characters.
-_CALL_ID_MAX = 100
 
-
-class ApprovalPendingError(DexError):
+class ApprovalPendingError(DexError, AgentsException):
     """A tool was invoked while dex-tasks still holds its call for a person's approval.
 
     This happens when the SDK was told to run a call without dex-tasks having approved it:
     ``state.approve`` called directly instead of :func:`apply_dex_decisions`, or a policy that
     started to need approval after the tools were built. The tool does not run; decide the
-    interrupt, then apply the decisions and resume.
+    interrupt, then apply the decisions and resume. An ``AgentsException``, so the SDK passes
+    it on as it is (not as a ``UserError``); under :func:`dex_run_config` the turn is in the
+    store, and running the same ``Runner.run`` again continues it.
     """
 
 
-def dex_context(session_id: str, turn_id: str | None = None) -> dict[str, str]:
+class CallStillRunningError(DexError, AgentsException):
+    """A tool's call had not ended when the invocation stopped waiting (``timeout``).
+
+    The call goes on on its worker and ends on its own. Under :func:`dex_run_config`, run the
+    same ``Runner.run`` again (same session, same input): the turn continues from the store
+    and the invocation waits for the same call, which never starts twice.
+    """
+
+
+def dex_context(session_id: str, turn_id: str | None = None, *,
+                client: DexClient | AsyncDexClient | None = None) -> dict[str, str]:
     """The run context that names the dex session and turn of one ``Runner.run``.
 
-    ``turn_id`` defaults to a new random id, so each call gives a new turn; the ``RunState`` of
-    a paused run stores the context, so resuming it keeps the same turn. A plain dict because
-    ``RunState.to_string``/``from_string`` restore a mapping context as it was. Your own context
-    works as well if it has ``session_id`` and ``turn_id`` (keys or attributes).
+    With ``client``: the session's open turn when it has one (the agent process was restarted
+    mid-turn: running the same ``Runner.run`` with :func:`dex_run_config` continues it), else
+    no ``turn_id``, which :func:`dex_run_config` gives the run when it begins the turn. Without
+    ``client``, ``turn_id`` defaults to a new random id (for runs without
+    :func:`dex_run_config`). A plain dict because ``RunState.to_string``/``from_string``
+    restore a mapping context as it was. Your own context works as well if it has
+    ``session_id`` and ``turn_id`` (keys or attributes).
     """
-    return {"session_id": session_id, "turn_id": turn_id or uuid.uuid4().hex}
+    if turn_id is not None:
+        return {"session_id": session_id, "turn_id": turn_id}
+    if client is None:
+        return {"session_id": session_id, "turn_id": uuid.uuid4().hex}
+    open_turn = _sync(client).open_turn(session_id)
+    if open_turn is None:
+        return {"session_id": session_id}
+    return {"session_id": session_id, "turn_id": open_turn.turn_id}
 
 
 def dex_function_tools(
@@ -240,7 +274,15 @@ class _DexInvoker:
                 "and resume the run"
             )
         if not record.terminal:
-            record = await self.client.wait(record.key, timeout=self.timeout)
+            try:
+                record = await self.client.wait(record.key, timeout=self.timeout)
+            except TimeoutError as err:
+                raise CallStillRunningError(
+                    f"call {record.key} of {self.tool!r} has not ended after {self.timeout}s; "
+                    "it goes on on its worker. Run the same Runner.run again (same session "
+                    "and input, run_config=dex_run_config(client)) to keep waiting: the turn "
+                    "continues from the store and the call never starts twice"
+                ) from err
         return _model_text(record)
 
 
@@ -311,17 +353,7 @@ def _call_ids(context: Any, call_id: str) -> tuple[str, str, str]:
                 f"Runner.run (or a context with session_id and turn_id), got {context!r}"
             )
         ids.append(value)
-    return ids[0], ids[1], _key_part(call_id)
-
-
-def _key_part(call_id: str) -> str:
-    """The model's call id if it can be part of a key as it is, else a prefix and its hash."""
-    if (0 < len(call_id) <= _CALL_ID_MAX and "/" not in call_id and "\x00" not in call_id
-            and call_id.isprintable()):
-        return call_id
-    digest = hashlib.sha256(call_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-    prefix = "".join(c for c in call_id[:40] if c.isalnum() or c in "-_.")
-    return f"{prefix}~{digest}"
+    return ids[0], ids[1], key_part(call_id)
 
 
 # -- the paused run -----------------------------------------------------------------------------
@@ -333,6 +365,10 @@ def _async_client(client: DexClient | AsyncDexClient) -> AsyncDexClient:
     if isinstance(client, DexClient):
         return AsyncDexClient(client=client)
     raise TypeError(f"client must be a DexClient or AsyncDexClient, got {type(client).__name__}")
+
+
+def _sync(client: DexClient | AsyncDexClient) -> DexClient:
+    return _async_client(client).sync
 
 
 def _state_context(state: RunState[Any, Any]) -> RunContextWrapper[Any]:
@@ -387,3 +423,210 @@ async def _guardrail_refusal(tool: FunctionTool, item: ToolApprovalItem,
             return behavior["message"]
     return None
 
+
+
+# -- durable turns: the journaled model ---------------------------------------------------------
+
+# The agent and run context of the model request about to be made: set by the run config's
+# call_model_input_filter, which the SDK calls just before each request in the same task, and
+# read by the journaled model (the SDK passes a Model neither).
+_REQUEST: ContextVar[tuple[Agent[Any], Any] | None] = ContextVar("dex_model_request",
+                                                                 default=None)
+_STEP = "dex_step"
+_OUTPUT = TypeAdapter(list[TResponseOutputItem])
+
+
+def dex_run_config(client: DexClient | AsyncDexClient, *,
+                   model_provider: ModelProvider | None = None,
+                   allow_mcp_servers: bool = False, **options: Any) -> RunConfig:
+    """A ``RunConfig`` whose model requests are journaled in the dex session (durable turns).
+
+    ``Runner.run(agent, input, context=dex_context(session_id, client=client),
+    run_config=dex_run_config(client))``: each model response is recorded in the session, its
+    dex tool calls in the same transaction (``record_step``), before any call is sent; an
+    answer without tools ends the turn (``end_turn``). Run again after the process died
+    (same session, same input), each journaled response is replayed from the store instead of
+    asking the model, so its calls get the same keys: calls made are awaited, never started
+    again. Then follow with the ``apply_dex_decisions`` loop, as in the first process.
+
+    Whichever model the agent uses is journaled: a ``Model`` instance set on the ``Agent``, or
+    a model name resolved by ``model_provider`` (default: the SDK's ``MultiProvider``).
+    ``options`` are other ``RunConfig`` fields (a ``call_model_input_filter`` given there runs
+    first). An agent with ``mcp_servers`` is refused: their tools would run in this process
+    without a record; ``allow_mcp_servers=True`` runs it anyway, with a warning.
+    Streaming runs (``Runner.run_streamed``) are not journaled: they raise ``UserError``.
+    """
+    journal = _Journal(_async_client(client), model_provider or MultiProvider(),
+                       allow_mcp_servers)
+    user_filter = options.pop("call_model_input_filter", None)
+
+    async def before_request(data: CallModelData[Any]) -> ModelInputData:
+        model_data = data.model_data
+        if user_filter is not None:
+            updated = user_filter(data)
+            model_data = await updated if hasattr(updated, "__await__") else updated
+        await journal.begin(data.agent, data.context, model_data)
+        _REQUEST.set((data.agent, data.context))
+        return model_data
+
+    return RunConfig(model=_JournaledModel(journal), call_model_input_filter=before_request,
+                     **options)
+
+
+class _Journal:
+    """The dex side of the journaled model: begin the turn, replay or record each step."""
+
+    def __init__(self, client: AsyncDexClient, provider: ModelProvider,
+                 allow_mcp_servers: bool) -> None:
+        self.client = client
+        self.provider = provider
+        self.allow_mcp_servers = allow_mcp_servers
+        # The journaled responses of the turns this journal began, by (session, turn) and step:
+        # begin_turn returns them, and this process writes the later ones itself, so replaying
+        # them needs no read of the store per model request.
+        self.known: dict[tuple[str, str], dict[int, str]] = {}
+
+    async def begin(self, agent: Agent[Any], context: Any, model_data: ModelInputData) -> None:
+        if agent.mcp_servers:
+            names = [getattr(server, "name", repr(server)) for server in agent.mcp_servers]
+            message = (f"agent {agent.name!r} has mcp_servers {names}: their tools run in this "
+                       "process, not through dex-tasks, and leave no record; serve them from "
+                       "a worker with dex_tasks.integrations.mcp.mcp_tools instead")
+            if not self.allow_mcp_servers:
+                raise InvalidCallError(message + " (or pass allow_mcp_servers=True)")
+            log.warning(message, extra={"action": "mcp_servers_unrecorded"})
+        if _get(context, _STEP) is not None:
+            return  # a step of a run already begun (or a RunState resumed)
+        session_id = _required(context, "session_id")
+        turn = await self.client.begin_turn(session_id, _input_text(model_data),
+                                            turn_id=_get(context, "turn_id") or None)
+        self.known[(session_id, turn.turn_id)] = {s.step: s.response for s in turn.steps}
+        _put(context, "turn_id", turn.turn_id)
+        _put(context, _STEP, 0)
+
+    def model_for(self, agent: Agent[Any]) -> Model:
+        if isinstance(agent.model, Model):
+            return agent.model
+        return self.provider.get_model(agent.model)
+
+    async def replay(self, session_id: str, turn_id: str, step: int) -> ModelResponse | None:
+        steps = self.known.get((session_id, turn_id))
+        if steps is None:  # a RunState resumed here: read what the turn has journaled
+            turn = await self.client.open_turn(session_id)
+            if turn is None or turn.turn_id != turn_id:
+                return None
+            steps = self.known[(session_id, turn_id)] = {s.step: s.response
+                                                         for s in turn.steps}
+        response = steps.get(step)
+        return None if response is None else _load_response(response)
+
+    async def record(self, session_id: str, turn_id: str, step: int, response: ModelResponse,
+                     tools: Sequence[Tool]) -> None:
+        calls = [item for item in response.output if isinstance(item, ResponseFunctionToolCall)]
+        text = _response_text(response)
+        dumped = _dump_response(response)
+        if not calls:
+            await self.client.end_turn(session_id, turn_id, text or "(no text)", response=dumped)
+            self.known.setdefault((session_id, turn_id), {})[step] = dumped
+            return
+        dex_tools = {t.name: t.on_invoke_tool for t in tools if isinstance(t, FunctionTool)
+                     and isinstance(t.on_invoke_tool, _DexInvoker)}
+        requests = []
+        for call in calls:
+            invoker = dex_tools.get(call.name)
+            arguments = _parse_arguments(call.arguments or "")
+            if invoker is None or isinstance(arguments, str):
+                continue  # another tool, or arguments the invocation will refuse
+            requests.append({"tool_call_id": key_part(call.call_id), "tool": invoker.tool,
+                             "arguments": arguments})
+        # One transaction for the response and its calls, one publish (call_tools).
+        await self.client.record_step(session_id, turn_id, step, dumped, requests,
+                                      text=text or None)
+        # Known once journaled (not before: a failed write must not be replayed as if kept).
+        self.known.setdefault((session_id, turn_id), {})[step] = dumped
+
+
+class _JournaledModel(Model):
+    """The model of a :func:`dex_run_config` run: the agent's own model, journaled."""
+
+    def __init__(self, journal: _Journal) -> None:
+        self.journal = journal
+
+    async def get_response(self, system_instructions: str | None,
+                           input: Any, model_settings: Any, tools: list[Tool],
+                           output_schema: Any, handoffs: Any, tracing: Any, *,
+                           previous_response_id: str | None, conversation_id: str | None,
+                           prompt: Any) -> ModelResponse:
+        request = _REQUEST.get()
+        if request is None:
+            raise InvalidCallError("dex_run_config's model was called outside its run config")
+        agent, context = request
+        session_id, turn_id = _required(context, "session_id"), _required(context, "turn_id")
+        step = int(_get(context, _STEP) or 0)
+        response = await self.journal.replay(session_id, turn_id, step)
+        if response is None:
+            response = await self.journal.model_for(agent).get_response(
+                system_instructions, input, model_settings, tools, output_schema, handoffs,
+                tracing, previous_response_id=previous_response_id,
+                conversation_id=conversation_id, prompt=prompt)
+            await self.journal.record(session_id, turn_id, step, response, tools)
+        _put(context, _STEP, step + 1)
+        return response
+
+    def stream_response(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        from agents import UserError
+
+        raise UserError("dex_run_config journals Runner.run; Runner.run_streamed is not "
+                        "journaled: use Runner.run")
+
+
+def _get(context: Any, field: str) -> Any:
+    return context.get(field) if isinstance(context, Mapping) else getattr(context, field, None)
+
+
+def _put(context: Any, field: str, value: Any) -> None:
+    if isinstance(context, MutableMapping):
+        context[field] = value
+    else:
+        setattr(context, field, value)
+
+
+def _required(context: Any, field: str) -> str:
+    value = _get(context, field)
+    if not isinstance(value, str) or not value:
+        raise InvalidCallError(
+            f"the run context has no {field}: pass context=dex_context(session_id, "
+            f"client=client) to Runner.run, got {context!r}")
+    return value
+
+
+def _input_text(model_data: ModelInputData) -> str:
+    """The user's input of the turn: the text of the last user message sent to the model."""
+    for item in reversed(model_data.input):
+        if isinstance(item, Mapping) and item.get("role") == "user":
+            content = item.get("content")
+            if isinstance(content, str):
+                return content
+            return json.dumps(content, sort_keys=True, default=str)
+    return json.dumps(model_data.input, sort_keys=True, default=str)
+
+
+def _response_text(response: ModelResponse) -> str:
+    return "".join(str(getattr(part, "text", "") or "") for item in response.output
+                   if isinstance(item, ResponseOutputMessage) for part in item.content)
+
+
+def _dump_response(response: ModelResponse) -> str:
+    return json.dumps({
+        "output": [item.model_dump(mode="json", exclude_unset=True) for item in response.output],
+        "response_id": response.response_id,
+        "request_id": response.request_id,
+    }, ensure_ascii=False)
+
+
+def _load_response(text: str) -> ModelResponse:
+    data = json.loads(text)
+    # A replayed response asked no model: no usage to count.
+    return ModelResponse(output=_OUTPUT.validate_python(data["output"]), usage=Usage(),
+                         response_id=data.get("response_id"),
+                         request_id=data.get("request_id"))

@@ -140,6 +140,7 @@ from dex_tasks import (
     Turn,
     UnknownToolError,
     idempotency_key,
+    key_part,
 )
 
 __all__ = ["ApprovalPendingError", "DexCapability", "TurnInProgressError", "dex_deferred_results"]
@@ -185,18 +186,8 @@ class TurnInProgressError(DexError):
 
 
 def _fit_id(value: str) -> str:
-    """``value`` if dex-tasks takes it as an id as it is; else a readable prefix and a hash of the
-    whole value, so the same framework id always gives the same dex id."""
-    try:
-        value.encode("utf-8")
-        encodable = True
-    except UnicodeEncodeError:
-        encodable = False
-    if encodable and value and len(value) <= _ID_MAX and "/" not in value and "\x00" not in value:
-        return value
-    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-    readable = value.encode("utf-8", "replace").decode("utf-8").replace("/", "_")
-    return f"{readable.replace(chr(0), '')[: _ID_MAX - 17]}~{digest}"
+    """The dex id for a framework id: ``dex_tasks.key_part``, one-to-one."""
+    return key_part(value)
 
 
 def _turn_id(response: ModelResponse) -> str:

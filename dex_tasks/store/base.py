@@ -275,6 +275,12 @@ class StoreBase:
         ``read`` must return plain values, not result objects tied to the connection."""
         return self._retrying(lambda conn, _: read(conn), read=True)
 
+    def writing(self, write: Callable[[Connection], T]) -> T:
+        """``write(conn)`` in a write transaction, run again on a new connection when the
+        connection is lost, for up to ``retry_seconds``: only for writes that are safe to run
+        twice (an upsert), since a lost COMMIT may have committed the first try."""
+        return self._retrying(lambda conn, _: write(conn))
+
     def _fetch(self, stmt: Any) -> list[dict[str, Any]]:
         """Every row of a read-only statement, as dicts; retried across a lost connection like
         the store's writes (a read is always safe to run again). For the reads an agent

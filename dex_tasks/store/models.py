@@ -26,7 +26,7 @@ Views for users live in ``records.py``.
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column, Index, Integer, Text
+from sqlalchemy import BigInteger, Column, Index, Integer, LargeBinary, Text
 from sqlmodel import Field, SQLModel
 
 from dex_tasks.limits import (
@@ -268,3 +268,37 @@ class CatalogRow(SQLModel, table=True):
     arguments_schema: str = Field(sa_column=Column(JsonText, nullable=False))
     description: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     updated_at: float
+
+
+class CheckpointRow(SQLModel, table=True):
+    """A LangGraph checkpoint (``DexCheckpointer``): the graph's state after one super-step,
+    serialised by LangGraph's own serializer (``type`` names its format)."""
+
+    __tablename__ = "dex_checkpoints"
+
+    thread_id: str = Field(sa_column=Column(Text, primary_key=True))
+    checkpoint_ns: str = Field(sa_column=Column(Text, primary_key=True))
+    checkpoint_id: str = Field(sa_column=Column(Text, primary_key=True))
+    parent_checkpoint_id: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    type: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    checkpoint: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    # JSON text, not jsonb: metadata holds whatever a graph puts in its config, and a list's
+    # filter compares it in Python the way LangGraph's in-memory saver does.
+    checkpoint_metadata: str = Field(sa_column=Column("metadata", Text, nullable=False))
+    created_at: float
+
+
+class CheckpointWriteRow(SQLModel, table=True):
+    """A pending write of a LangGraph task against a checkpoint (``put_writes``)."""
+
+    __tablename__ = "dex_checkpoint_writes"
+
+    thread_id: str = Field(sa_column=Column(Text, primary_key=True))
+    checkpoint_ns: str = Field(sa_column=Column(Text, primary_key=True))
+    checkpoint_id: str = Field(sa_column=Column(Text, primary_key=True))
+    task_id: str = Field(sa_column=Column(Text, primary_key=True))
+    idx: int = Field(sa_column=Column(Integer, primary_key=True, autoincrement=False))
+    task_path: str = Field(sa_column=Column(Text, nullable=False))
+    channel: str = Field(sa_column=Column(Text, nullable=False))
+    type: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    value: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True))

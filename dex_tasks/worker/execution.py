@@ -180,7 +180,7 @@ def did_not_run_move(call: ToolCallRow, why: str) -> Move:
     else:
         decision = retry.after_worker_lost(
             EffectClass(call.effect), call.attempts, call.attempts,
-            f"{why}, after {call.attempts} attempt(s) had reached the tool",
+            f"{why}, after {call.attempts} attempt(s) had reached the tool", key=call.key,
         )
         assert decision.status is not None
         to, error, reason = decision.status, decision.error or why, "next_attempt_not_started"
@@ -228,7 +228,7 @@ def lost_attempt_move(call: ToolCallRow, reason: str, now: float) -> Move:
     are left on the retrying path, else the ending its effect class gives (``retry.py``).
     Guarded on the attempt's owner and number, so a later attempt is never touched."""
     decision = retry.after_worker_lost(EffectClass(call.effect), call.attempts,
-                                       call.max_attempts, reason)
+                                       call.max_attempts, reason, key=call.key)
     guard = {"worker": call.worker, "attempts": call.attempts}
     detail = {"reason": "attempt_lost", "attempt": call.attempts, "why": reason}
     if decision.retry:
@@ -269,7 +269,7 @@ def _message_lost(rt: Runtime, key: str, action: str) -> None:
 def _exhausted_before_claim(rt: Runtime, call: ToolCallRow, why: str) -> Outcome:
     """A queued retrying call delivered again after every attempt was used (by worker loss)."""
     decision = retry.after_worker_lost(
-        EffectClass(call.effect), call.attempts, call.max_attempts, why)
+        EffectClass(call.effect), call.attempts, call.max_attempts, why, key=call.key)
     assert decision.status is not None
     if rt.store.transition(
         call.key, decision.status, allowed={CallStatus.QUEUED},
@@ -475,7 +475,7 @@ def _attempt_retrying(rt: Runtime, call: ToolCallRow, tool: Any, arguments: dict
             # Stopped part-way on its last attempt: a read has no effect to be unsure about,
             # but an interrupted write may have taken effect, so it ends outcome_unknown.
             lost = retry.after_worker_lost(EffectClass(call.effect), attempt,
-                                           call.max_attempts, message)
+                                           call.max_attempts, message, key=key)
             assert lost.status is not None
             return _end(rt, key, owner, lost.status, lost.error, "attempts_exhausted")
         return _end(rt, key, owner, CallStatus.FAILED, decision.error, "attempts_exhausted")
@@ -603,7 +603,7 @@ def _exited_in_thread(rt: Runtime, call: ToolCallRow, owner: str, err: SystemExi
 def _outcome_unknown(rt: Runtime, key: str, owner: str, err: OutcomeUnknownError) -> Outcome:
     # The tool itself says it cannot tell: no retry, whatever the path and attempts left.
     reason = f"the tool could not tell whether its effect happened ({_error_text(err)})"
-    return _end(rt, key, owner, CallStatus.OUTCOME_UNKNOWN, retry.outcome_unknown_text(reason),
+    return _end(rt, key, owner, CallStatus.OUTCOME_UNKNOWN, retry.outcome_unknown_text(reason, key),
                 "tool_outcome_unknown")
 
 

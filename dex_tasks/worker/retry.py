@@ -88,7 +88,7 @@ def bounded_retry_after(retry_after: Any, cap: float) -> float | None:
 
 
 def after_worker_lost(
-    effect: EffectClass, attempts_used: int, max_attempts: int, reason: str
+    effect: EffectClass, attempts_used: int, max_attempts: int, reason: str, *, key: str
 ) -> Decision:
     """The attempt's worker died, was killed, or its hard time limit struck.
 
@@ -105,15 +105,19 @@ def after_worker_lost(
             error=f"the tool could not finish in {attempts_used} attempts: {reason}",
         )
     return Decision(retry=False, status=CallStatus.OUTCOME_UNKNOWN,
-                    error=outcome_unknown_text(reason))
+                    error=outcome_unknown_text(reason, key))
 
 
-def outcome_unknown_text(reason: str) -> str:
-    """The error of an ``outcome_unknown`` call, which the model reads: why, and what now."""
+def outcome_unknown_text(reason: str, key: str) -> str:
+    """The error of an ``outcome_unknown`` call, which the model reads: why, and what now.
+
+    It names the call's idempotency key, so that the model (or whoever reads the transcript)
+    can ask the service about that very call.
+    """
     return (
         f"{OUTCOME_UNKNOWN_TOOL_RESULT}: {reason}. The tool may or may not have taken "
         "effect; it will not be run again. Check with the service using the call's "
-        "idempotency key."
+        f"idempotency key {key!r}."
     )
 
 
