@@ -10,9 +10,11 @@ install:
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -e ".[dev,postgres,pydantic-ai,openai-agents,langchain,mcp,google-adk]"
 
-## make test: lint, then every test (real Redis, real workers, SQLite and PostgreSQL)
+## make test: lint, then every test but the long scenarios (real Redis, real workers, SQLite and
+## PostgreSQL); `make chaos` runs the long ones (pytest -m long), each with a short
+## representative here
 test: lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not long" $(PYTEST_ARGS)
 
 lint:
 	$(PY) -m ruff check dex_tasks workers tests bench chaos examples beat_schedule.py
@@ -48,5 +50,6 @@ CHAOS_ARGS ?=
 ## e.g. "--scenario P1".
 PARTITION_ARGS ?=
 chaos:
+	$(PY) -m pytest -m long $(PYTEST_ARGS)
 	$(PY) -m chaos --calls 3000 --workers 3 --duration 120 $(CHAOS_ARGS)
 	$(PY) -m chaos.partitions $(PARTITION_ARGS)
