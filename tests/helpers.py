@@ -225,7 +225,8 @@ class TcpProxy:
 
     ``cut(seconds)`` closes every open connection and refuses new ones for that long (a
     database restart as its clients see it); ``reset()`` only closes them; ``lose_commit_reply``
-    makes the next COMMIT take effect while its client loses the connection before the answer.
+    makes the next COMMIT take effect while its client loses the connection before the answer,
+    ``lose_reply`` the same for the next statement that holds a text (one in autocommit).
     """
 
     target: str
@@ -276,6 +277,16 @@ class TcpProxy:
     def lose_commit(self) -> None:
         """The next COMMIT never reaches the server; its client loses the connection."""
         self.command("lose-commit")
+
+    def lose_reply(self, text: str, *, skip: int = 0) -> None:
+        """The next statement whose message holds ``text`` (a call's key, say), after ``skip``
+        such went through, runs and commits (autocommit), but its client loses the connection
+        before the answer."""
+        self.command(f"lose-reply {skip} {text}")
+
+    def lose_statement(self, text: str, *, skip: int = 0) -> None:
+        """Like :meth:`lose_reply`, but the statement never reaches the server."""
+        self.command(f"lose-statement {skip} {text}")
 
     def stats(self) -> dict[str, int]:
         words = self.command("stats").split()

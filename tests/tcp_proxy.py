@@ -1,4 +1,5 @@
-"""A TCP proxy in front of a database server, which tests cut, reset and make lose a COMMIT.
+"""A TCP proxy in front of a database server, which tests cut, reset and make lose a COMMIT or
+any statement, or its reply.
 
 Run as its own process (``python -m tests.tcp_proxy --target 127.0.0.1:5432``); it prints
 ``listening <port> control <port>`` once ready. Tests drive it through :class:`TcpProxy` in
@@ -14,11 +15,19 @@ Run as its own process (``python -m tests.tcp_proxy --target 127.0.0.1:5432``); 
     answer is dropped and both sides are closed: the client cannot tell whether it committed.
 ``lose-commit``
     The next ``COMMIT`` is not forwarded; both sides are closed (the server rolls back).
+``lose-reply SKIP TEXT``
+    Like ``lose-commit-reply`` for the statement whose message holds ``TEXT`` (the rest of the
+    line), after ``SKIP`` such messages went through untouched: a statement in autocommit
+    that the server runs and commits while its client never hears so.
+``lose-statement SKIP TEXT``
+    Like ``lose-commit`` for that statement: it never reaches the server.
 ``stats``
-    ``open <n> accepted <n> refused <n> commits-lost <n>``.
+    ``open <n> accepted <n> refused <n> commits-lost <n> statements-lost <n>``.
 
 PostgreSQL's wire protocol sends ``COMMIT`` as a simple query (``Q`` message), so the proxy
-finds it by its text in the client's stream.
+finds it by its text in the client's stream. A statement with parameters is sent as Parse (its
+text, once it is prepared no more), Bind (its parameters, as text) and Execute messages: a
+parameter's value, such as a call's key, finds it in either case.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 COMMIT = b"COMMIT\x00"
+LOSE_REPLY = ("lose-commit-reply", "lose-reply")
 READY_FOR_QUERY = b"Z\x00\x00\x00\x05"
 
 
@@ -56,10 +66,12 @@ class Proxy:
     target_port: int
     links: set[Link] = field(default_factory=set)
     cut_until: float = 0.0
-    armed: str | None = None
+    # What to lose next: the mode, the text that finds the message, how many to let by first.
+    armed: tuple[str, bytes, int] | None = None
     accepted: int = 0
     refused: int = 0
     commits_lost: int = 0
+    statements_lost: int = 0
 
     async def serve_client(self, reader: asyncio.StreamReader,
                            writer: asyncio.StreamWriter) -> None:
@@ -86,12 +98,19 @@ class Proxy:
 
     async def client_to_server(self, reader: asyncio.StreamReader, link: Link) -> None:
         async for data in _chunks(reader):
-            if self.armed is not None and COMMIT in data:
-                mode, self.armed = self.armed, None
-                self.commits_lost += 1
-                if mode == "lose-commit":
-                    break
-                link.swallow = True
+            if self.armed is not None and self.armed[1] in data:
+                mode, text, skip = self.armed
+                if skip > 0:
+                    self.armed = (mode, text, skip - 1)
+                else:
+                    self.armed = None
+                    if text == COMMIT:
+                        self.commits_lost += 1
+                    else:
+                        self.statements_lost += 1
+                    if mode not in LOSE_REPLY:
+                        break
+                    link.swallow = True
             await _send(link.server, data)
         link.close()
 
@@ -122,11 +141,16 @@ class Proxy:
             elif command == "reset":
                 reply = f"ok {self.close_all()}"
             elif command in ("lose-commit", "lose-commit-reply"):
-                self.armed = command
+                self.armed = (command, COMMIT, 0)
+                reply = "ok"
+            elif command in ("lose-reply", "lose-statement"):
+                skip, _, text = arg.partition(" ")
+                self.armed = (command, text.encode(), int(skip))
                 reply = "ok"
             elif command == "stats":
                 reply = (f"open {len(self.links)} accepted {self.accepted} "
-                         f"refused {self.refused} commits-lost {self.commits_lost}")
+                         f"refused {self.refused} commits-lost {self.commits_lost} "
+                         f"statements-lost {self.statements_lost}")
             else:
                 reply = f"error unknown command {command!r}"
             writer.write(reply.encode() + b"\n")

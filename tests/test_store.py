@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -307,13 +308,20 @@ def test_a_child_forked_while_a_thread_writes_can_still_write(sqlite_url: str) -
 
 def test_claim_returns_the_call_and_a_refusal_rolls_it_back(store: Store) -> None:
     store.insert_call(call_row("s/t/c"))
-    # A claim whose checks refuse the call leaves it queued, untouched, with no event
+    # A claim whose checks refuse the call leaves it queued, untouched. SQLite rolls the claim
+    # back (no event); PostgreSQL's one-statement claim has committed when the checks run, and
+    # its guarded move back says so in the history.
     with pytest.raises(LookupError, match="no tool"):
         store.claim("s/t/c", "w@h:1", 30.0, lambda row: (_ for _ in ()).throw(
             LookupError("no tool")))
     row = store.get_call("s/t/c")
     assert row is not None and (row.status, row.attempts, row.worker) == ("queued", 0, None)
-    assert len(store.events_for_call("s/t/c")) == 1
+    assert row.lease_expires_at is None
+    refused = ["running", "queued"] if store.is_postgres else []
+    events = store.events_for_call("s/t/c")
+    assert [e.to_status for e in events] == ["queued", *refused]
+    if store.is_postgres:
+        assert '"claim_refused"' in (events[-1].detail or "")
     # A claim that passes returns the whole row as claimed, its lease on the store's clock
     before = store.store_time()
     claimed = store.claim("s/t/c", "w@h:1", 30.0, lambda row: row.tool)
@@ -326,7 +334,8 @@ def test_claim_returns_the_call_and_a_refusal_rolls_it_back(store: Store) -> Non
     assert before + 30 <= claimed_row.lease_expires_at <= store.store_time() + 30
     # A second delivery finds nothing to claim
     assert store.claim("s/t/c", "w@h:2", 30.0, lambda row: None) is None
-    assert [e.to_status for e in store.events_for_call("s/t/c")] == ["queued", "running"]
+    assert [e.to_status for e in store.events_for_call("s/t/c")] == [
+        "queued", *refused, "running"]
 
 
 def test_transition_many_guards_each_call_and_writes_one_event_each(store: Store) -> None:
@@ -398,7 +407,7 @@ def test_set_based_endings_deliver_the_messages_of_turns_they_end(store: Store) 
                                                  ("s2/t/c", "outcome_unknown")]
 
 
-def test_a_call_costs_a_worker_two_transactions_and_delivery_only_when_a_message_waits(
+def test_a_call_costs_a_worker_two_writes_and_delivery_only_when_a_message_waits(
     store: Store,
 ) -> None:
     from sqlalchemy import event
@@ -409,7 +418,10 @@ def test_a_call_costs_a_worker_two_transactions_and_delivery_only_when_a_message
 
     def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
         verb = statement.split(None, 1)[0].upper()
-        if verb in ("SELECT", "INSERT", "UPDATE", "DELETE"):
+        if verb == "WITH":  # one statement of data-modifying CTEs (PostgreSQL)
+            statements.append("WITH " + " ".join(
+                f"{v} {t}" for v, t in re.findall(r"\b(INSERT INTO|UPDATE) (\w+)", statement)))
+        elif verb in ("SELECT", "INSERT", "UPDATE", "DELETE"):
             statements.append(f"{verb} {_table(statement)}")
 
     def committed(_conn: Any) -> None:
@@ -437,6 +449,15 @@ def test_a_call_costs_a_worker_two_transactions_and_delivery_only_when_a_message
     finally:
         event.remove(store.engine, "before_cursor_execute", seen)
         event.remove(store.engine, "commit", committed)
+    if store.is_postgres:
+        # One statement each, in autocommit (one round trip, no COMMIT of their own); the
+        # delivery, when a message waits, in a transaction of its own
+        claim = ["WITH UPDATE dex_tool_calls INSERT INTO dex_call_events"]
+        finish = ["WITH UPDATE dex_tool_calls INSERT INTO dex_call_events "
+                  "INSERT INTO dex_messages"]
+        assert plain == [*claim, *finish]
+        assert waiting == [*claim, *finish, "SELECT ", "UPDATE dex_messages", "COMMIT"]
+        return
     claim = ["UPDATE dex_tool_calls", "INSERT dex_call_events", "COMMIT"]
     finish = ["UPDATE dex_tool_calls", "INSERT dex_messages", "INSERT dex_call_events"]
     assert plain == [*claim, *finish, "COMMIT"]

@@ -15,11 +15,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
 
-from dex_tasks import CallStatus, DexClient, DexSettings, StoreUnavailableError
+from dex_tasks import CallStatus, DexClient, DexSettings, StoreUnavailableError, idempotency_key
 from dex_tasks.store import EndedCall, Move, Store
 from tests.conftest import StartWorker, fast_settings
 from tests.helpers import TcpProxy, calls_on_every_path, started_pid, wait_until
@@ -49,36 +50,55 @@ def _events(store: Store, key: str) -> list[tuple[str | None, str]]:
     return [(e.from_status, e.to_status) for e in store.events_for_call(key)]
 
 
+def _tool_messages(store: Store, session_id: str) -> list[Any]:
+    with store.read() as conn:
+        return list(conn.execute(text(
+            "SELECT key, call_status FROM dex_messages WHERE role = 'tool' AND session_id = :s"
+            " ORDER BY id"), {"s": session_id}))
+
+
 # -- the store across a reconnect ----------------------------------------------------------------
 
 
-def test_a_commit_whose_answer_was_lost_is_won_once(proxied: Store, proxy: TcpProxy) -> None:
-    # Given a call, and a proxy that will lose the answer to each next COMMIT after the server
-    # committed it: the client's connection dies during COMMIT
+def test_a_write_whose_answer_was_lost_is_won_once(proxied: Store, proxy: TcpProxy) -> None:
+    # Given a proxy that loses the answer to the next statement holding the call's key after
+    # the server ran it: the insert, the claim and the terminal move are each one statement in
+    # autocommit, so each has committed when its client's connection dies
     ended: list[EndedCall] = []
     proxied.on_calls_ended(ended.extend)
-    proxy.lose_commit_reply()
+    proxy.lose_reply("s/t/c")
     assert proxied.insert_call(call_row("s/t/c"))
-    assert proxy.stats()["commits-lost"] == 1
+    assert proxy.stats()["statements-lost"] == 1
 
-    # When the call is claimed and finished, each COMMIT's answer lost again
-    proxy.lose_commit_reply()
+    # When the call is claimed and finished, each statement's answer lost again
+    proxy.lose_reply("s/t/c")
     claimed = proxied.claim("s/t/c", "w@h:1", 30.0, lambda row: "vetted")
-    proxy.lose_commit_reply()
+    proxy.lose_reply("s/t/c")
     finished = proxied.transition("s/t/c", CallStatus.SUCCEEDED, allowed={CallStatus.RUNNING},
                                   match={"worker": "w@h:1"}, values={"result": "42"})
 
     # Then each retry recognised its own committed change as won and wrote nothing twice
-    assert proxy.stats()["commits-lost"] == 3
+    assert proxy.stats()["statements-lost"] == 3
     assert claimed is not None and claimed[1] == "vetted" and claimed[0].attempts == 1
     assert finished is True
     row = proxied.get_call("s/t/c")
     assert row is not None and (row.status, row.result, row.attempts) == ("succeeded", "42", 1)
     assert _events(proxied, "s/t/c") == [(None, "queued"), ("queued", "running"),
                                          ("running", "succeeded")]
+    assert [m.call_status for m in _tool_messages(proxied, "s")] == ["succeeded"]
     # And the call's end was announced once (waiters woken, metrics counted), though the try
     # that committed it lost its connection before its own announcement
     assert [(e.key, e.status) for e in ended] == [("s/t/c", CallStatus.SUCCEEDED)]
+
+
+def test_a_commit_whose_answer_was_lost_is_won_once(proxied: Store, proxy: TcpProxy) -> None:
+    # Given a batch of calls (one transaction) whose COMMIT's answer is lost after the server
+    # committed it: the client's connection dies during COMMIT
+    proxy.lose_commit_reply()
+    assert proxied.insert_calls([call_row("s/t/c1"), call_row("s/t/c2")])
+    assert proxy.stats()["commits-lost"] == 1
+    # Then the retry recognised its own batch, written once
+    assert [_events(proxied, k) for k in ("s/t/c1", "s/t/c2")] == [[(None, "queued")]] * 2
 
 
 def test_a_commit_whose_answer_was_lost_is_not_taken_for_someone_elses(
@@ -89,8 +109,8 @@ def test_a_commit_whose_answer_was_lost_is_not_taken_for_someone_elses(
     assert proxied.claim("s/t/c", "w@h:1", 30.0, lambda row: None) is not None
     assert proxied.transition("s/t/c", CallStatus.FAILED, match={"worker": "w@h:1"},
                               values={"error": "first"})
-    # When our transition's COMMIT answer is lost (it matched nothing, so it changed nothing)
-    proxy.lose_commit_reply()
+    # When our transition's answer is lost (it matched nothing, so it changed nothing)
+    proxy.lose_reply("s/t/c")
     won = proxied.transition("s/t/c", CallStatus.SUCCEEDED, match={"worker": "w@h:1"},
                              values={"result": '"late"'})
     # Then the retry does not mistake the other writer's change for its own
@@ -99,16 +119,16 @@ def test_a_commit_whose_answer_was_lost_is_not_taken_for_someone_elses(
     assert len(_events(proxied, "s/t/c")) == 3
 
 
-def test_a_commit_lost_before_the_server_saw_it_is_run_again(
+def test_a_write_lost_before_the_server_saw_it_is_run_again(
     proxied: Store, proxy: TcpProxy
 ) -> None:
     assert proxied.insert_call(call_row("s/t/c"))
-    # When the connection dies with the COMMIT unsent (the server rolls the change back)
-    proxy.lose_commit()
+    # When the connection dies with the claim unsent (the server never ran it)
+    proxy.lose_statement("s/t/c")
     claimed = proxied.claim("s/t/c", "w@h:1", 30.0, lambda row: row.attempts)
     # Then the claim ran again on a new connection, once
     assert claimed is not None and claimed[1] == 1
-    assert proxy.stats()["commits-lost"] == 1
+    assert proxy.stats()["statements-lost"] == 1
     assert _events(proxied, "s/t/c") == [(None, "queued"), ("queued", "running")]
 
 
@@ -213,6 +233,43 @@ def test_tools_that_finish_while_the_store_is_cut_end_succeeded_and_run_once(
     # test_store_stalls.py makes the reaper meet one every time)
     assert sum(sweeping) == 0 and len(sweeping) > 10
     assert "store_retry" in worker.log()
+
+
+def test_a_worker_whose_claim_or_ending_lost_its_answer_runs_the_tool_once(
+    settings: DexSettings, start_worker: StartWorker, proxy: TcpProxy, ledger_path: Path,
+    postgres_url: str,
+) -> None:
+    # Given a worker behind the proxy (the client reaches the server directly), and calls on
+    # both paths, a read and a single-attempt charge
+    worker = start_worker(concurrency=1)
+    direct = settings.model_copy(update={"database_url": postgres_url})
+    finals = {}
+    with DexClient(direct) as client:
+        for skip, what in ((0, "claim"), (1, "ending")):
+            for tool, arguments in (("lookup_order", {"order_id": "1001"}),
+                                    ("charge_card", {"customer_id": "cu_1",
+                                                     "amount_cents": 5})):
+                key = idempotency_key("s", "t", f"{what}-{tool}")
+                # When the worker's claim (its first statement holding the key) or its ending
+                # (the second) runs and commits, but the answer never reaches the worker
+                lost = proxy.stats()["statements-lost"]
+                proxy.lose_reply(key, skip=skip)
+                client.call_tool(session_id="s", turn_id="t", tool_call_id=f"{what}-{tool}",
+                                 tool=tool, arguments=arguments)
+                finals[key] = client.wait(key, 30)
+                assert proxy.stats()["statements-lost"] == lost + 1, (what, tool)
+        events = {key: [e.to_status for e in client.store.events_for_call(key)]
+                  for key in finals}
+        tool_messages = [m.key for m in _tool_messages(client.store, "s")]
+    # Then the retry recognised its own committed write: every call succeeded, its tool ran
+    # once, one attempt, one event per move and one tool message each
+    for key, final in finals.items():
+        assert final.status is CallStatus.SUCCEEDED, final.error
+        assert final.attempts == 1
+        assert events[key] == ["queued", "running", "succeeded"]
+    assert sorted(tool_messages) == sorted(finals)
+    assert ledger.executions(ledger_path) == {key: 1 for key in finals}
+    assert worker.log().count("store_commit_recovered") == len(finals)
 
 
 def test_the_client_and_workers_recover_when_the_server_closes_idle_connections(

@@ -106,6 +106,10 @@ class StoreBase:
                                         network=network)
             self.read_engine = self.engine
         self.is_postgres = self.engine.dialect.name == "postgresql"
+        # PostgreSQL's hot-path writes are one statement each (a data-modifying CTE), run in
+        # autocommit: one round trip, no BEGIN and no COMMIT of their own (``single=True``).
+        self.autocommit_engine = (self.engine.execution_options(isolation_level="AUTOCOMMIT")
+                                  if self.is_postgres else self.engine)
         self._ended_hooks: list[EndedHook] = []
         # The webhook outbox (store/webhooks.py): where approval events are sent besides each
         # tool's own URLs, the page link's base, and who publishes a delivery after its commit
@@ -187,13 +191,14 @@ class StoreBase:
             yield conn
 
     @contextmanager
-    def committing(self, engine: Engine) -> Iterator[Connection]:
+    def committing(self, engine: Engine, *, autocommit: bool = False) -> Iterator[Connection]:
         """``engine.begin()`` that, once the transaction has committed, hands the calls it
         ended (:func:`note_ended`) to the ``on_calls_ended`` hooks. Every write transaction
-        that may end a call opens through here."""
+        that may end a call opens through here. ``autocommit``: ``engine`` is in autocommit
+        (each statement commits on its own), and the hooks run once the block is done."""
         ended: list[EndedCall] = []
         actions: list[Callable[[], None]] = []
-        with engine.begin() as conn:
+        with engine.connect() if autocommit else engine.begin() as conn:
             conn.info[ENDED_CALLS] = ended
             conn.info[AFTER_COMMIT] = actions
             try:
@@ -224,22 +229,28 @@ class StoreBase:
         with self._fork_safe(), self._errors(), self.read_engine.connect() as conn:
             yield conn
 
-    def _retrying(self, op: Callable[[Connection, int], T], *, read: bool = False) -> T:
+    def _retrying(self, op: Callable[[Connection, int], T], *, read: bool = False,
+                  single: bool = False) -> T:
         """Run ``op(conn, attempt)`` in a transaction of its own, and again on a new connection
         while the error is one a retry can cure (``connections.retryable``), for up to
         ``retry_seconds``; then :class:`StoreUnavailableError`.
 
         ``attempt`` counts from 1. Above 1, an earlier try may have committed before its
-        connection was lost (during COMMIT): an ``op`` that must not write twice checks.
+        connection was lost (during COMMIT, or before a one-statement write's reply): an
+        ``op`` that must not write twice checks. ``single``: ``op`` runs on an autocommit
+        connection (PostgreSQL; SQLite keeps its transaction), where each statement is its
+        own transaction.
         """
-        engine = self.read_engine if read else self.engine
+        autocommit = single and self.is_postgres
+        engine = (self.read_engine if read
+                  else self.autocommit_engine if autocommit else self.engine)
         deadline = time.monotonic() + self.retry_seconds
         pause = RETRY_FIRST_PAUSE
         attempt = 1
         while True:
             try:
-                with self._fork_safe(), (engine.connect() if read
-                                         else self.committing(engine)) as conn:
+                with self._fork_safe(), (engine.connect() if read else self.committing(
+                        engine, autocommit=autocommit)) as conn:
                     return op(conn, attempt)
             except IntegrityError:
                 raise

@@ -6,11 +6,23 @@ retried across a lost connection like the writes (a read is always safe to run a
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import (
+    bindparam,
+    exists,
+    false,
+    func,
+    insert,
+    literal_column,
+    null,
+    select,
+    update,
+)
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
@@ -27,10 +39,41 @@ from dex_tasks.store.tables import (
     INSERT_CALL,
     INSERT_EVENT,
     INSERT_INTERRUPT,
+    PRUNED_EVENT,
     pruned_keys,
 )
 
 _GET_CALL = select(CALLS).where(CALLS.c.key == bindparam("get_key"))
+
+
+
+@functools.lru_cache(maxsize=32)
+def _insert_statement(columns: tuple[str, ...], *, check_pruned: bool) -> Any:
+    """PostgreSQL: a new call, its first event and (for a single-attempt call) the check of
+    its key's tombstone as ONE statement: ``INSERT ... SELECT ... WHERE NOT EXISTS
+    (tombstone) ON CONFLICT (key) DO NOTHING RETURNING``, the event inserted from what that
+    returned. Returns ``inserted`` (0 when the key exists or is a pruned one's) and
+    ``pruned``."""
+    tombstone = (exists().where(EVENTS.c.key == bindparam("i_key"),
+                                EVENTS.c.event == PRUNED_EVENT)
+                 if check_pruned else None)
+    values = select(*(bindparam(f"i_{c}", type_=CALLS.c[c].type) for c in columns))
+    if tombstone is not None:
+        values = values.where(~tombstone)
+    new = (pg_insert(CALLS).from_select(list(columns), values)
+           .on_conflict_do_nothing(index_elements=[CALLS.c.key])
+           .returning(CALLS.c.key, CALLS.c.session_id, CALLS.c.status, CALLS.c.created_at)
+           .cte("new_call"))
+    event = insert(EVENTS).from_select(
+        ["session_id", "key", "event", "from_status", "to_status", "detail", "created_at"],
+        select(new.c.session_id, new.c.key, literal_column("'tool_call_requested'"), null(),
+               new.c.status, bindparam("ev_detail", type_=EVENTS.c.detail.type),
+               new.c.created_at),
+    ).cte("new_event")
+    count = select(func.count()).select_from(new).scalar_subquery()
+    pruned = tombstone if tombstone is not None else false()
+    return select(count.label("inserted"), pruned.label("pruned")).add_cte(event)
+
 
 UNSENT_GRACE_SECONDS = 2.0
 """A queued call with no ``published_at`` was recorded but not (yet) sent: its recorder
@@ -84,6 +127,8 @@ class Calls(StoreBase):
         connection; when a retry finds the key taken by the very row this call inserted (an
         earlier try committed), that is an insert, not an existing call.
         """
+        if interrupt is None and self.is_postgres:
+            return self._insert_single(row, requested)
         tries = 0
 
         def attempt(conn: Connection, n: int) -> None:
@@ -105,6 +150,35 @@ class Calls(StoreBase):
                     row["created_at"], row["arguments"])
             return False
         return True
+
+    def _insert_single(self, row: Mapping[str, Any],
+                       requested: Mapping[str, Any] | None) -> bool:
+        """PostgreSQL's :meth:`insert_call` of a call with no interrupt: the insert, its first
+        event and the tombstone check as one statement in autocommit (see
+        :func:`_insert_statement`). A retry after a lost reply finds the key taken; the row is
+        this call's own when it holds what this call inserted (an earlier try committed)."""
+        retrying = EffectClass(row["effect"]).retrying
+        stmt = _insert_statement(tuple(sorted(row)), check_pruned=not retrying)
+        params = {f"i_{column}": value for column, value in row.items()}
+        params["ev_detail"] = requested_event(row, requested)["detail"]
+        inserted, tries = False, 0
+
+        def attempt(conn: Connection, n: int) -> None:
+            nonlocal inserted, tries
+            tries = n
+            result = conn.execute(stmt, params).one()
+            if result.pruned:
+                raise PrunedCallError(row["key"])
+            inserted = bool(result.inserted)
+
+        self._retrying(attempt, single=True)
+        if inserted:
+            return True
+        if tries > 1:
+            stored = self.get_call(row["key"])
+            return stored is not None and (stored.created_at, stored.arguments) == (
+                row["created_at"], row["arguments"])
+        return False
 
     def insert_calls(
         self,

@@ -8,6 +8,9 @@ The reaper and the republisher read expired leases and stranded queued calls her
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -19,9 +22,10 @@ from dex_tasks.states import CallStatus
 from dex_tasks.store.connections import store_now
 from dex_tasks.store.models import ToolCallRow
 from dex_tasks.store.tables import CALLS, readable_calls, status_by_key
-from dex_tasks.store.transitions import Transitions
+from dex_tasks.store.transitions import Transitions, _single_statement
 
 V = TypeVar("V")
+log = logging.getLogger("dex_tasks.store")
 
 # The claim, queued -> running, returns the whole row: a worker needs no read before it. The
 # lease runs on the store's clock (``connections.store_now``), never on the worker's.
@@ -34,6 +38,71 @@ _CLAIM = (
             updated_at=bindparam("c_now"))
     .returning(*CALLS.c)
 )
+
+_FROM_QUEUED = frozenset({CallStatus.QUEUED})
+# Keys per UPDATE of the publish marks.
+_MARKS_CHUNK = 500
+
+
+class _PublishMarks:
+    """The publish marks of :meth:`Leases.mark_published_soon`, written by a thread of their
+    own. Each batch is written with the time of its oldest mark."""
+
+    def __init__(self, store: Leases) -> None:
+        self.store = store
+        self.pid = os.getpid()
+        self.cond = threading.Condition()
+        self.pending: dict[str, float] = {}
+        self.writing = False
+        self.thread: threading.Thread | None = None
+
+    def add(self, keys: Sequence[str], now: float) -> None:
+        with self.cond:
+            for key in keys:
+                self.pending.setdefault(key, now)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="dex-publish-marks",
+                                               daemon=True)
+                self.thread.start()
+            self.cond.notify_all()
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait (up to ``timeout``) until every mark given so far is written."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while self.pending or self.writing:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.thread is None or not self.thread.is_alive():
+                    return
+                self.cond.wait(left)
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.pending:
+                    self.cond.wait()
+                batch = dict(list(self.pending.items())[:_MARKS_CHUNK])
+                for key in batch:
+                    del self.pending[key]
+                self.writing = True
+            try:
+                self.store.mark_published(list(batch), min(batch.values()))
+            except Exception:  # the calls look unsent: the republisher sends them again
+                log.warning("could not record that calls were published", exc_info=True,
+                            extra={"action": "mark_published_failed", "count": len(batch)})
+            finally:
+                with self.cond:
+                    self.writing = False
+                    self.cond.notify_all()
+
+
+def _marks(store: Leases) -> _PublishMarks:
+    """The store's publish marks in this process (a forked child starts its own)."""
+    marks: _PublishMarks | None = store.__dict__.get("_publish_marks")
+    if marks is None or marks.pid != os.getpid():
+        marks = store.__dict__["_publish_marks"] = _PublishMarks(store)
+    return marks
+
 
 class Leases(Transitions):
     """The claim, lease renewals and the reads of lost work of :class:`~dex_tasks.store.Store`."""
@@ -50,6 +119,8 @@ class Leases(Transitions):
         across a lost connection like :meth:`transition`.
         """
         now = time.time() if now is None else now
+        if self.is_postgres:
+            return self._claim_single(key, owner, lease_seconds, vet, now)
         params = {"c_key": key, "c_worker": owner, "c_lease": lease_seconds, "c_now": now}
 
         def attempt(tx: Connection, n: int) -> tuple[Any, V] | None:
@@ -64,6 +135,32 @@ class Leases(Transitions):
             return row, vetted
 
         return self._retrying(attempt)
+
+    def _claim_single(self, key: str, owner: str, lease_seconds: float,
+                      vet: Callable[[Any], V], now: float) -> tuple[Any, V] | None:
+        """PostgreSQL's claim: the guarded move to ``running`` and its event as one statement
+        in autocommit (``transitions._single_statement``), then ``vet`` on the row it
+        returned. The claim has committed by then, so a call ``vet`` refuses is moved back to
+        ``queued`` as it was (its attempt uncounted, no owner, no lease), guarded on this
+        claim's owner and attempt, before what ``vet`` raised propagates: the caller sees it
+        queued and untouched, as the transaction form's rollback leaves it."""
+        written = {"worker": owner, "updated_at": now}
+        stmt = _single_statement(CallStatus.RUNNING, _FROM_QUEUED, (), tuple(sorted(written)),
+                                 claim=True)
+        row = self._move_single(stmt, {"t_key": key, "c_lease": lease_seconds,
+                                       "v_worker": owner, "v_updated_at": now},
+                                key, CallStatus.RUNNING, None, now, written)
+        if row is None:
+            return None
+        try:
+            return row, vet(row)
+        except BaseException:
+            self.transition(key, CallStatus.QUEUED, allowed={CallStatus.RUNNING},
+                            match={"worker": owner, "attempts": row.attempts},
+                            values={"attempts": row.attempts - 1, "worker": None,
+                                    "lease_expires_at": None},
+                            detail={"reason": "claim_refused"})
+            raise
 
     def mark_published(self, keys: str | Sequence[str], now: float | None = None, *,
                        republished: bool = False) -> None:
@@ -82,7 +179,24 @@ class Leases(Transitions):
                 .where(CALLS.c.key.in_(keys),
                        status_by_key(self.is_sqlite) == CallStatus.QUEUED.value)
                 .values(**values))
-        self._retrying(lambda conn, _: conn.execute(stmt))
+        self._retrying(lambda conn, _: conn.execute(stmt), single=True)
+
+    def mark_published_soon(self, keys: Sequence[str]) -> None:
+        """:meth:`mark_published` off the caller's path: a thread of this store marks the keys
+        given since its last write in one UPDATE, so ``call_tool`` returns once its message is
+        sent, and a burst of calls costs a few UPDATEs instead of one each.
+
+        Until its mark lands a call looks never sent, which only the republisher and a repeat
+        of the request read, and only once the call is ``calls.UNSENT_GRACE_SECONDS`` old: a
+        mark later than that (a stalled store, a process killed first) costs a second message,
+        which the claims turn away. :meth:`close` writes what is left."""
+        _marks(self).add(keys, time.time())
+
+    def close(self) -> None:
+        marks: _PublishMarks | None = self.__dict__.get("_publish_marks")
+        if marks is not None:
+            marks.flush()
+        super().close()
 
     def mark_unpublished(self, keys: str | Sequence[str]) -> None:
         """Record that queued calls' messages are lost (a publish failed, or the delivery that
@@ -95,7 +209,7 @@ class Leases(Transitions):
                 .where(CALLS.c.key.in_(keys),
                        status_by_key(self.is_sqlite) == CallStatus.QUEUED.value)
                 .values(published_at=None))
-        self._retrying(lambda conn, _: conn.execute(stmt))
+        self._retrying(lambda conn, _: conn.execute(stmt), single=True)
 
     def renew_leases(self, worker_prefix: str, keys: Sequence[str], seconds: float) -> int:
         """Extend the leases of ``keys`` still running on this worker to ``seconds`` from now

@@ -24,13 +24,26 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import and_, bindparam, case, cast, or_, select, update
+from sqlalchemy import (
+    Text,
+    and_,
+    bindparam,
+    case,
+    cast,
+    func,
+    insert,
+    literal_column,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import ClauseElement, ColumnElement
 
 from dex_tasks.errors import IllegalTransitionError
 from dex_tasks.states import ALLOWED_FROM, CallStatus, MessageRole
 from dex_tasks.store.base import StoreBase, note_ended
+from dex_tasks.store.connections import store_now
 from dex_tasks.store.delivery import (
     DELIVERY_LOCK_MANY,
     DELIVERY_LOCK_RETURNING,
@@ -40,9 +53,11 @@ from dex_tasks.store.delivery import (
 )
 from dex_tasks.store.tables import (
     CALLS,
+    EVENTS,
     INSERT_EVENT,
     INSERT_EVENT_QUEUED,
     INSERT_MESSAGE,
+    MESSAGES,
     bound,
     equals,
     event_name,
@@ -75,12 +90,15 @@ def _returning_one(to: CallStatus, postgres: bool) -> tuple[Any, ...]:
     columns = _returning(to)
     return (*columns, DELIVERY_LOCK_RETURNING) if to.terminal and postgres else columns
 
-@functools.lru_cache(maxsize=256)
-def _transition_statement(
-    to: CallStatus, sources: frozenset[CallStatus], match: tuple[str, ...],
-    fields: tuple[str, ...], postgres: bool,
-) -> Any:
-    """The guarded UPDATE of one transition shape, with every value a bound parameter."""
+def _guarded_update(to: CallStatus, sources: frozenset[CallStatus], match: tuple[str, ...],
+                    fields: tuple[str, ...], *, claim: bool = False) -> Any:
+    """The guarded UPDATE of one transition shape, with every value a bound parameter.
+
+    ``claim``: the move to ``running`` also counts the attempt and sets the lease on the
+    store's clock (``connections.store_now``) from ``:c_lease`` seconds."""
+    extra: dict[str, Any] = ({"attempts": CALLS.c.attempts + 1,
+                              "lease_expires_at": store_now() + bindparam("c_lease")}
+                             if claim else {})
     return (
         update(CALLS)
         .where(CALLS.c.key == bindparam("t_key"),
@@ -88,10 +106,74 @@ def _transition_statement(
                *(CALLS.c[k] == bindparam(f"m_{k}") for k in match))
         # SET evaluates right-hand sides against the old row, so prev_status keeps the status
         # we moved from, for the event row.
-        .values(prev_status=CALLS.c.status, status=to.value,
+        .values(prev_status=CALLS.c.status, status=to.value, **extra,
                 **{k: bindparam(f"v_{k}") for k in fields})
-        .returning(*_returning_one(to, postgres))
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _transition_statement(
+    to: CallStatus, sources: frozenset[CallStatus], match: tuple[str, ...],
+    fields: tuple[str, ...], postgres: bool,
+) -> Any:
+    """The guarded UPDATE of one transition shape, returning what ``_record`` needs."""
+    return _guarded_update(to, sources, match, fields).returning(*_returning_one(to, postgres))
+
+
+# The single-statement form's event detail and time, bound per move.
+_EV_DETAIL = bindparam("ev_detail", type_=EVENTS.c.detail.type)
+_EV_NOW = bindparam("ev_now", type_=EVENTS.c.created_at.type)
+# Takes the session's delivery lock and then says whether the session has user messages
+# waiting, reading at a snapshot of its own (migration 0008): see ``_single_statement``.
+SESSION_ENDED_CHECK = "dex_call_ended_check"
+
+
+@functools.lru_cache(maxsize=256)
+def _single_statement(
+    to: CallStatus, sources: frozenset[CallStatus], match: tuple[str, ...],
+    fields: tuple[str, ...], claim: bool = False,
+) -> Any:
+    """PostgreSQL: one move as ONE statement, run in autocommit (one round trip, no BEGIN or
+    COMMIT): the guarded UPDATE, its event row and, on a move to a terminal status, the call's
+    tool message, as data-modifying CTEs that write only what the UPDATE returned.
+
+    A terminal move's RETURNING also calls ``dex_call_ended_check`` (migration 0008), which
+    takes the session's delivery lock and then reads whether user messages wait: a VOLATILE
+    function reads at a snapshot taken after the lock, so it sees what the lock's previous
+    holder committed, as the statements after the UPDATE do in the transaction form. When it
+    says yes, the caller delivers them in a transaction of its own (rare; the sweep is the
+    backstop). A claim (``claim``) returns the whole row.
+    """
+    update_stmt = _guarded_update(to, sources, match, fields, claim=claim)
+    if claim:
+        returned: tuple[Any, ...] = tuple(CALLS.c)
+    elif to.terminal:
+        returned = (*_RETURNING_TERMINAL, func.dex_call_ended_check(
+            literal_column(str(DELIVERY_LOCK_SPACE)), CALLS.c.session_id).label("queued"))
+    else:
+        returned = _RETURNING
+    moved = update_stmt.returning(*returned).cte("moved")
+    detail: Any = (func.jsonb_build_object(literal_column("'attempt'"), moved.c.attempts,
+                                           literal_column("'worker'"), moved.c.worker)
+                   if claim else _EV_DETAIL)
+    event = insert(EVENTS).from_select(
+        ["session_id", "key", "event", "from_status", "to_status", "detail", "created_at"],
+        select(moved.c.session_id, moved.c.key, literal_column(f"'{event_name(to)}'"),
+               moved.c.prev_status, literal_column(f"'{to.value}'"), detail, _EV_NOW),
+    ).cte("moved_event")
+    stmt = select(moved).add_cte(event)
+    if to.terminal:
+        output = (cast(moved.c.result, Text) if to is CallStatus.SUCCEEDED
+                  else moved.c.error)
+        message = insert(MESSAGES).from_select(
+            ["session_id", "role", "created_at", "turn_id", "tool_call_id", "tool", "key",
+             "call_status", "tool_arguments", "tool_output"],
+            select(moved.c.session_id, literal_column(f"'{MessageRole.TOOL.value}'"), _EV_NOW,
+                   moved.c.turn_id, moved.c.tool_call_id, moved.c.tool, moved.c.key,
+                   literal_column(f"'{to.value}'"), moved.c.arguments, output),
+        ).cte("moved_message")
+        stmt = stmt.add_cte(message)
+    return stmt
 
 
 def _event_row(row: Any, to: CallStatus, detail: Mapping[str, Any] | None,
@@ -197,6 +279,10 @@ class Transitions(StoreBase):
             )
         if conn is not None:
             return self._transition_in(conn, stmt, params, key, to, detail, now) is not None
+        if params is not None and self.is_postgres:
+            single = _single_statement(to, sources, tuple(sorted(match)), tuple(sorted(fields)))
+            return self._move_single(single, params, key, to, detail, now,
+                                     {**match, **fields}) is not None
 
         def attempt(tx: Connection, n: int) -> bool:
             if self._transition_in(tx, stmt, params, key, to, detail, now) is not None:
@@ -206,6 +292,40 @@ class Transitions(StoreBase):
             return n > 1 and self._landed(tx, key, to, {**match, **fields}, now) is not None
 
         return self._retrying(attempt)
+
+    def _move_single(self, stmt: Any, params: dict[str, Any], key: str, to: CallStatus,
+                     detail: Mapping[str, Any] | None, now: float,
+                     written: Mapping[str, Any]) -> Any | None:
+        """Run one move's single statement (:func:`_single_statement`) in autocommit, retried
+        across a lost connection; the row it returned, or None if the guards did not hold.
+
+        A statement whose reply was lost may have committed: the retry finds nothing to move,
+        and :meth:`_landed` then recognises the row that try left (its values, its
+        ``updated_at``), taken as won. A call that ended is announced after the statement
+        (the hooks of :meth:`committing`), and the user messages its end releases are
+        delivered in a transaction of their own."""
+        bound = {**params, "ev_now": now,
+                 "ev_detail": json.dumps(dict(detail), default=str) if detail else None}
+
+        def attempt(conn: Connection, n: int) -> tuple[Any, bool] | None:
+            row = conn.execute(stmt, bound).first()
+            if row is not None:
+                if to.terminal:
+                    note_ended(conn, key, to, row, now)
+                return row, to.terminal and bool(row.queued)
+            # After a lost reply, the first try may have committed (and found messages
+            # waiting): a landed terminal move delivers them again, which is idempotent.
+            landed = self._landed(conn, key, to, written, now) if n > 1 else None
+            return None if landed is None else (landed, to.terminal)
+
+        moved = self._retrying(attempt, single=True)
+        if moved is None:
+            return None
+        row, queued = moved
+        if queued:
+            with self.write() as tx:
+                deliver_ready_messages(tx, now, row.session_id)
+        return row
 
     def _transition_in(
         self,
