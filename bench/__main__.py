@@ -221,6 +221,20 @@ def mcp_latency(
     _run(run_mcp_latency, calls=calls, warmup=warmup, out_dir=_out(out), console=console)
 
 
+@app.command(name="profile")
+def profile_(
+    calls: int = typer.Option(500, "--calls", min=1, help="Calls profiled per store."),
+    top: int = typer.Option(15, "--top", min=1, help="Functions listed."),
+    store: str = typer.Option("both", "--store", help=STORE_HELP),
+    postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
+) -> None:
+    """The producer under cProfile: call_tool and a call_tools burst vs apply_async."""
+    from bench.profile import run_profile
+
+    _run(run_profile, stores=_stores(store, postgres_url),
+         postgres_url=postgres_admin_url(postgres_url), calls=calls, top=top, console=console)
+
+
 @app.command(name="all")
 def all_(
     quick: bool = typer.Option(False, "--quick",
@@ -236,6 +250,7 @@ def all_(
     from bench.io_bound import run_io
     from bench.latency import run_latency
     from bench.memory import run_memory
+    from bench.profile import run_profile
     from bench.scrape import run_scrape
     from bench.sweep_scale import DEFAULT_JOBS, parse_scales, run_sweeps
     from bench.targets import print_targets
@@ -252,6 +267,9 @@ def all_(
             run_throughput(calls=500 if quick else 2000, rounds=2 if quick else 3, **common),
             run_latency(calls=30 if quick else 100, rounds=2 if quick else 3, **common),
             run_batch(turns=20 if quick else 100, rounds=2 if quick else 3, **common),
+            # The producer under cProfile: where call_tool's time goes, and a burst.
+            run_profile(stores=stores, postgres_url=pg, calls=300 if quick else 1000, top=12,
+                        console=console),
             run_driver(calls=200 if quick else 1000, rounds=2 if quick else 3, **common),
             run_io(calls=400 if quick else 2000, seconds=1.0, concurrency=200,
                    rounds=1 if quick else 3, **{**common, "stores": stores[:1]}),

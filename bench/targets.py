@@ -39,6 +39,9 @@ TARGETS: dict[str, Target] = {t.id: t for t in (
            1.5, "x"),
     Target("one_at_a_time_vs_raw", "one call at a time, call to result in hand, vs "
            "apply_async().get() (p50)", "<=", 1.2, "x"),
+    # Issue 20: a burst from one agent process leaves as fast as Celery's.
+    Target("burst_send_vs_raw", "calls sent from one process: call_tools (one turn) vs as "
+           "many apply_async", "<=", 1.2, "x"),
     Target("io_wall_vs_raw", "2,000 one-second I/O calls, threads pool: wall time vs Celery",
            "<=", 1.2, "x"),
     Target("io_rss", "2,000 one-second I/O calls, threads pool: dex-tasks worker peak RSS", "<",
@@ -49,6 +52,22 @@ TARGETS: dict[str, Target] = {t.id: t for t in (
     Target("sweep_growth", "deadline sweep time, largest vs smallest scale", "<", 2.0, "x"),
     Target("rss_growth", "worker RSS growth per 100k calls", "<", 10.0, "MB"),
 )}
+
+
+# The command that measures each target on its own (``make bench`` runs them all).
+COMMANDS: dict[str, str] = {
+    "read_vs_raw_sqlite": "python -m bench throughput --store sqlite",
+    "read_vs_raw_postgres": "python -m bench throughput --store postgres",
+    "single_vs_read": "python -m bench throughput",
+    "call_tool_vs_apply_async_p50": "python -m bench throughput",
+    "one_at_a_time_vs_raw": "python -m bench latency",
+    "burst_send_vs_raw": "python -m bench profile",
+    "io_wall_vs_raw": "python -m bench io --calls 1000",
+    "io_rss": "python -m bench io",
+    "scrape_growth": "python -m bench scrape",
+    "sweep_growth": "python -m bench sweeps",
+    "rss_growth": "python -m bench memory",
+}
 
 
 def check(target_id: str, value: float, label: str, note: str = "") -> dict[str, Any]:
@@ -70,10 +89,11 @@ def check(target_id: str, value: float, label: str, note: str = "") -> dict[str,
 def print_targets(console: Console, rows: list[dict[str, Any]], title: str = "") -> None:
     """The targets table: goal, what was measured (and on which store / scale), pass or miss."""
     table = Table(title=title or "Targets (reported, not asserted)")
-    for column in ("target", "where", "goal", "measured", "result", "note"):
+    for column in ("target", "where", "goal", "measured", "result", "note", "command"):
         table.add_column(column, justify="right" if column == "measured" else "left")
     for row in rows:
         measured = "-" if row["measured"] is None else f"{row['measured']:g}{row['unit']}"
         result = "[green]pass[/green]" if row["pass"] else "[red]miss[/red]"
-        table.add_row(row["text"], row["label"], row["goal"], measured, result, row["note"])
+        table.add_row(row["text"], row["label"], row["goal"], measured, result, row["note"],
+                      COMMANDS.get(row["target"], ""))
     console.print(table)

@@ -21,6 +21,7 @@ from bench.infra import child_env
 from bench.io_bound import run_io, threads_pool_supported
 from bench.latency import run_latency
 from bench.memory import run_memory
+from bench.profile import run_profile
 from bench.scrape import run_scrape
 from bench.sweep_scale import DEFAULT_JOBS, run_sweeps
 from bench.throughput import run_throughput
@@ -139,14 +140,26 @@ def test_io_runs_celery_and_dex_tasks_on_the_threads_pool(tmp_path: Path) -> Non
     data = _written(run_io(calls=20, seconds=0.1, concurrency=10, rounds=1, stores=["sqlite"],
                            postgres_url=None, out_dir=tmp_path, console=_quiet()), tmp_path)
 
-    variants = ["raw", "dex"] if threads_pool_supported() else ["raw"]
+    variants = ["raw", "dex", "burst"] if threads_pool_supported() else ["raw"]
     assert [r["variant"] for r in data["summary"]] == variants
     for row in data["summary"]:
         assert row["failures"] == 0 and row["wall_s"] > 0 and row["peak_rss_mb"] > 0, row
     if variants == ["raw"]:
         assert data["config"]["skipped"] and data["targets"][0]["measured"] is None
     else:
-        assert [t["target"] for t in data["targets"]] == ["io_wall_vs_raw", "io_rss"]
+        assert [t["target"] for t in data["targets"]] == ["io_wall_vs_raw", "io_rss",
+                                                          "io_wall_vs_raw"]
+
+
+def test_profile_prints_where_the_producers_time_goes() -> None:
+    console = Console(file=io.StringIO(), width=200)
+    data = run_profile(stores=["sqlite"], postgres_url=None, calls=20, top=5, console=console)
+
+    [row] = data["stores"].values()
+    assert row["call_tool_p50_ms"] > 0 and row["burst_call_tools_s"] > 0
+    assert len(row["top"]) == 5 and abs(sum(row["areas"].values()) - 1) < 0.01
+    assert [t["target"] for t in data["targets"]] == ["burst_send_vs_raw"]
+    assert "most time of their own" in console.file.getvalue()  # type: ignore[attr-defined]
 
 
 def test_scrape_times_metrics_against_ended_calls(tmp_path: Path) -> None:

@@ -637,3 +637,21 @@ def test_schema_creation_is_safe_from_several_processes_at_once(database_url: st
     store = Store(database_url)
     assert store.insert_call(call_row("s/t/c"))
     store.close()
+
+
+def test_publish_marks_are_written_off_the_callers_path_in_few_updates(store: Store) -> None:
+    # Given 60 calls recorded with no publish time (what call_tool inserts)
+    keys = [f"s/t/m{i}" for i in range(60)]
+    for key in keys:
+        assert store.insert_call(call_row(key, published_at=None))
+    with _statements(store.engine, "UPDATE DEX_TOOL_CALLS") as seen:
+        # When each is marked published as its message leaves, one by one
+        before = time.time()
+        for key in keys:
+            store.mark_published_soon([key])
+        # Then closing the store writes what is left, and every call has its publish time,
+        # written in far fewer UPDATEs than calls
+        store.close()
+    rows = store.get_calls(keys)
+    assert all(before <= (rows[k].published_at or 0) <= time.time() for k in keys)
+    assert 1 <= len(seen) < len(keys)

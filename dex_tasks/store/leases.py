@@ -8,6 +8,7 @@ The reaper and the republisher read expired leases and stranded queued calls her
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -64,6 +65,8 @@ class _PublishMarks:
                 self.thread = threading.Thread(target=self._run, name="dex-publish-marks",
                                                daemon=True)
                 self.thread.start()
+                # A process that ends without closing its store still writes its marks.
+                atexit.register(self.flush, 2.0)
             self.cond.notify_all()
 
     def flush(self, timeout: float = 10.0) -> None:
@@ -192,10 +195,14 @@ class Leases(Transitions):
         which the claims turn away. :meth:`close` writes what is left."""
         _marks(self).add(keys, time.time())
 
-    def close(self) -> None:
+    def flush_publish_marks(self) -> None:
+        """Wait until the marks of :meth:`mark_published_soon` given so far are written."""
         marks: _PublishMarks | None = self.__dict__.get("_publish_marks")
         if marks is not None:
             marks.flush()
+
+    def close(self) -> None:
+        self.flush_publish_marks()
         super().close()
 
     def mark_unpublished(self, keys: str | Sequence[str]) -> None:
