@@ -23,7 +23,7 @@ from dex_tasks.states import CallStatus
 from dex_tasks.store.connections import store_now
 from dex_tasks.store.models import ToolCallRow
 from dex_tasks.store.tables import CALLS, readable_calls, status_by_key
-from dex_tasks.store.transitions import Transitions, _single_statement
+from dex_tasks.store.transitions import Transitions, single_statement
 
 V = TypeVar("V")
 log = logging.getLogger("dex_tasks.store")
@@ -142,13 +142,13 @@ class Leases(Transitions):
     def _claim_single(self, key: str, owner: str, lease_seconds: float,
                       vet: Callable[[Any], V], now: float) -> tuple[Any, V] | None:
         """PostgreSQL's claim: the guarded move to ``running`` and its event as one statement
-        in autocommit (``transitions._single_statement``), then ``vet`` on the row it
+        in autocommit (``transitions.single_statement``), then ``vet`` on the row it
         returned. The claim has committed by then, so a call ``vet`` refuses is moved back to
         ``queued`` as it was (its attempt uncounted, no owner, no lease), guarded on this
         claim's owner and attempt, before what ``vet`` raised propagates: the caller sees it
         queued and untouched, as the transaction form's rollback leaves it."""
         written = {"worker": owner, "updated_at": now}
-        stmt = _single_statement(CallStatus.RUNNING, _FROM_QUEUED, (), tuple(sorted(written)),
+        stmt = single_statement(CallStatus.RUNNING, _FROM_QUEUED, (), tuple(sorted(written)),
                                  claim=True)
         row = self._move_single(stmt, {"t_key": key, "c_lease": lease_seconds,
                                        "v_worker": owner, "v_updated_at": now},

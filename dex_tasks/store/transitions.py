@@ -7,9 +7,14 @@ caller won, and it writes the event row in the same transaction (``_record``); a
 terminal status also appends the call's tool message to the session's transcript there and
 delivers the user messages the end of its turn releases.
 
+On PostgreSQL a transition that runs on its own (no ``conn`` given), the claim included, is ONE
+statement in autocommit (:func:`single_statement`): the guarded UPDATE with its event row and
+tool message as data-modifying CTEs, one round trip and one commit. SQLite keeps the
+transaction form, and so do the set-based twin and moves made in a caller's transaction.
+
 Transitions are safe to run again, so a transition that loses its connection is run again on a
 new one, for up to ``retry_seconds``. The one ambiguous case is a connection lost during
-COMMIT: the first try may have committed. The retry then finds the row already in the target
+COMMIT, or before a one-statement move's reply: the first try may have committed. The retry then finds the row already in the target
 state with the values that very try wrote (its ``updated_at`` is the transition's own
 timestamp), takes that as won, and writes no second event or tool message.
 """
@@ -124,12 +129,12 @@ def _transition_statement(
 _EV_DETAIL = bindparam("ev_detail", type_=EVENTS.c.detail.type)
 _EV_NOW = bindparam("ev_now", type_=EVENTS.c.created_at.type)
 # Takes the session's delivery lock and then says whether the session has user messages
-# waiting, reading at a snapshot of its own (migration 0008): see ``_single_statement``.
+# waiting, reading at a snapshot of its own (migration 0008): see ``single_statement``.
 SESSION_ENDED_CHECK = "dex_call_ended_check"
 
 
 @functools.lru_cache(maxsize=256)
-def _single_statement(
+def single_statement(
     to: CallStatus, sources: frozenset[CallStatus], match: tuple[str, ...],
     fields: tuple[str, ...], claim: bool = False,
 ) -> Any:
@@ -280,7 +285,7 @@ class Transitions(StoreBase):
         if conn is not None:
             return self._transition_in(conn, stmt, params, key, to, detail, now) is not None
         if params is not None and self.is_postgres:
-            single = _single_statement(to, sources, tuple(sorted(match)), tuple(sorted(fields)))
+            single = single_statement(to, sources, tuple(sorted(match)), tuple(sorted(fields)))
             return self._move_single(single, params, key, to, detail, now,
                                      {**match, **fields}) is not None
 
@@ -296,7 +301,7 @@ class Transitions(StoreBase):
     def _move_single(self, stmt: Any, params: dict[str, Any], key: str, to: CallStatus,
                      detail: Mapping[str, Any] | None, now: float,
                      written: Mapping[str, Any]) -> Any | None:
-        """Run one move's single statement (:func:`_single_statement`) in autocommit, retried
+        """Run one move's single statement (:func:`single_statement`) in autocommit, retried
         across a lost connection; the row it returned, or None if the guards did not hold.
 
         A statement whose reply was lost may have committed: the retry finds nothing to move,
