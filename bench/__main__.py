@@ -227,12 +227,14 @@ def profile_(
     top: int = typer.Option(15, "--top", min=1, help="Functions listed."),
     store: str = typer.Option("both", "--store", help=STORE_HELP),
     postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
 ) -> None:
     """The producer under cProfile: call_tool and a call_tools burst vs apply_async."""
     from bench.profile import run_profile
 
     _run(run_profile, stores=_stores(store, postgres_url),
-         postgres_url=postgres_admin_url(postgres_url), calls=calls, top=top, console=console)
+         postgres_url=postgres_admin_url(postgres_url), calls=calls, top=top, console=console,
+         out_dir=_out(out))
 
 
 @app.command(name="all")
@@ -268,8 +270,7 @@ def all_(
             run_latency(calls=30 if quick else 100, rounds=2 if quick else 3, **common),
             run_batch(turns=20 if quick else 100, rounds=2 if quick else 3, **common),
             # The producer under cProfile: where call_tool's time goes, and a burst.
-            run_profile(stores=stores, postgres_url=pg, calls=300 if quick else 1000, top=12,
-                        console=console),
+            run_profile(calls=300 if quick else 1000, top=12, **common),
             run_driver(calls=200 if quick else 1000, rounds=2 if quick else 3, **common),
             run_io(calls=400 if quick else 2000, seconds=1.0, concurrency=200,
                    rounds=1 if quick else 3, **{**common, "stores": stores[:1]}),

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import raw_tasks
-from bench.infra import READ_TOOL, RedisServer, fresh_store, median
+from bench.infra import READ_TOOL, RedisServer, fresh_store, median, save_results
 from bench.roundtrips import publish_catalog
 from bench.targets import check, print_targets
 from dex_tasks import DexClient, DexSettings
@@ -67,7 +67,7 @@ def _timed(fn: Any, calls: int) -> list[float]:
 
 
 def run_profile(*, stores: list[str], postgres_url: str | None, calls: int, top: int,
-                console: Console) -> dict[str, Any]:
+                console: Console, out_dir: Path | None = None) -> dict[str, Any]:
     """Profile ``call_tool`` and ``call_tools`` on each store; print and return the summary."""
     results: dict[str, Any] = {}
     with ExitStack() as stack:
@@ -119,7 +119,8 @@ def run_profile(*, stores: list[str], postgres_url: str | None, calls: int, top:
                            f"{r['burst_apply_async_s']:.2f} s")
                for kind, r in results.items()]
     print_targets(console, targets)
-    return {"stores": results, "targets": targets}
+    return save_results("profile", {"config": {"calls": calls, "stores": stores},
+                                    "stores": results, "targets": targets}, out_dir, console)
 
 
 def _print(console: Console, results: dict[str, Any], calls: int) -> None:

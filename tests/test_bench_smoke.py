@@ -151,9 +151,10 @@ def test_io_runs_celery_and_dex_tasks_on_the_threads_pool(tmp_path: Path) -> Non
                                                           "io_wall_vs_raw"]
 
 
-def test_profile_prints_where_the_producers_time_goes() -> None:
+def test_profile_prints_where_the_producers_time_goes(tmp_path: Path) -> None:
     console = Console(file=io.StringIO(), width=200)
-    data = run_profile(stores=["sqlite"], postgres_url=None, calls=20, top=5, console=console)
+    data = run_profile(stores=["sqlite"], postgres_url=None, calls=20, top=5, console=console,
+                       out_dir=tmp_path)
 
     [row] = data["stores"].values()
     assert row["call_tool_p50_ms"] > 0 and row["burst_call_tools_s"] > 0

@@ -14,9 +14,10 @@ transaction form, and so do the set-based twin and moves made in a caller's tran
 
 Transitions are safe to run again, so a transition that loses its connection is run again on a
 new one, for up to ``retry_seconds``. The one ambiguous case is a connection lost during
-COMMIT, or before a one-statement move's reply: the first try may have committed. The retry then finds the row already in the target
-state with the values that very try wrote (its ``updated_at`` is the transition's own
-timestamp), takes that as won, and writes no second event or tool message.
+COMMIT, or before a one-statement move's reply: the first try may have committed. The retry
+then finds the row already in the target state with the values that very try wrote (its
+``updated_at`` is the transition's own timestamp), takes that as won, and writes no second
+event or tool message.
 """
 
 from __future__ import annotations
