@@ -171,7 +171,10 @@ class Calls(StoreBase):
                 raise PrunedCallError(row["key"])
             inserted = bool(result.inserted)
 
-        self._retrying(attempt, single=True)
+        try:
+            self._retrying(attempt, single=True)
+        except IntegrityError:
+            inserted = False  # another unique value taken: as the transaction form answers
         if inserted:
             return True
         if tries > 1:
