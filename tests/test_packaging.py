@@ -31,7 +31,9 @@ def test_the_wheel_installs_only_dex_tasks_with_its_metadata(tmp_path: Path) -> 
     # Then nothing but the package and its metadata: no top-level workers or beat_schedule
     assert {n.split("/")[0] for n in names} == {"dex_tasks", "dex_tasks-0.1.0.dist-info"}
     assert {"dex_tasks/py.typed", "dex_tasks/examples/tools.py",
-            "dex_tasks/examples/ledger.py", "dex_tasks/worker/schedule.py"} <= set(names)
+            "dex_tasks/examples/ledger.py", "dex_tasks/worker/schedule.py",
+            "dex_tasks/api/templates/base.html",
+            "dex_tasks/api/templates/session.html"} <= set(names)
     meta = Parser().parsestr(wheel.read("dex_tasks-0.1.0.dist-info/METADATA").decode())
     assert meta["Requires-Python"] == ">=3.11"
     assert "Typing :: Typed" in meta.get_all("Classifier")

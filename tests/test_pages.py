@@ -84,5 +84,6 @@ def test_the_session_page_warns_while_no_beat_sweeps(
     # And it comes back when the last sweep is older than 3 sweep intervals
     redis = metrics_redis(settings)
     redis.delete(SWEEP_STATS_KEY)
-    record_sweep(redis, "expire_deadlines", 0, now=time.time() - 4 * settings.sweep_interval_seconds)
+    long_ago = time.time() - 4 * settings.sweep_interval_seconds
+    record_sweep(redis, "expire_deadlines", 0, now=long_ago)
     assert warning_shown()
