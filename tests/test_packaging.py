@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -38,7 +39,13 @@ def test_the_wheel_installs_only_dex_tasks_with_its_metadata(tmp_path: Path) -> 
     meta = Parser().parsestr(wheel.read("dex_tasks-0.1.0.dist-info/METADATA").decode())
     assert meta["Requires-Python"] == ">=3.11"
     assert "Typing :: Typed" in meta.get_all("Classifier")
-    assert any(u.startswith("Documentation, ") for u in meta.get_all("Project-URL"))
+    # No link to a page the project does not have: the package's URLs and the docs site's
+    # repository link are set together, once the repository is public (none is, today)
+    urls = meta.get_all("Project-URL") or []
+    repo_url = re.search(r"^repo_url: *(\S+)", (ROOT / "mkdocs.yml").read_text(), re.M)
+    assert bool(urls) == bool(repo_url), (urls, repo_url)
+    if repo_url:
+        assert f"Source, {repo_url[1]}" in urls, urls
     assert {"postgres", "embedded"} <= set(meta.get_all("Provides-Extra"))
     # The CLI finds `dex-tasks mcp`'s server by its entry point, never by importing it
     points = wheel.read("dex_tasks-0.1.0.dist-info/entry_points.txt").decode()
