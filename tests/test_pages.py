@@ -72,7 +72,11 @@ def test_the_session_page_warns_while_no_beat_sweeps(
         page = http.get("/sessions/s1", params={"token": token}).text
         tag = re.search(r'<p id="beat-late"[^>]*>', page)
         assert tag is not None, page
-        return " hidden" not in tag.group(0)
+        shown = " hidden" not in tag.group(0)
+        # The snapshot says the same, so the open page follows (static/session.js)
+        snapshot = http.get("/sessions/s1/snapshot", headers={"Authorization": f"Bearer {token}"})
+        assert (snapshot.json()["beat"] == "late") is shown, snapshot.text
+        return shown
 
     # Given no beat ever swept: the page says deadlines are not enforced
     assert warning_shown()

@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import redis
 from fastapi import (
@@ -334,6 +334,7 @@ def snapshot(
     messages = snap.messages[-limit:] if tail else snap.messages[:limit]
     page = SnapshotPage(
         session_id=session_id, limit=limit, event_cursor=cursor,
+        beat=beat_state(_state(request).client.settings),
         messages=messages, messages_more=len(snap.messages) > limit,
         tool_calls=snap.tool_calls[:limit], calls_more=len(snap.tool_calls) > limit,
         pending_interrupts=snap.pending_interrupts[:limit],
@@ -409,7 +410,7 @@ def approvals_page(request: Request, session_id: SessionId) -> RedirectResponse:
                             headers={"Referrer-Policy": "no-referrer"})
 
 
-def beat_state(settings: DexSettings) -> str:
+def beat_state(settings: DexSettings) -> Literal["ok", "late", "unknown"]:
     """``ok`` if a beat swept within 3 sweep intervals, ``late`` if none did (approval
     deadlines are not being enforced), ``unknown`` if Redis, where beat records its sweeps,
     does not answer. What ``/healthz``, the session page and ``dex-tasks status`` go by."""
