@@ -399,6 +399,8 @@
         const first = eventCursor === null;
         if (first) eventCursor = snapshot.event_cursor;
         render(snapshot);
+        // Beat's state as /healthz reads it: each read of the session says it again.
+        $("beat-late").hidden = snapshot.beat !== "late";
         // The first read is the transcript's tail; later ones page forward until done.
         if (first) $("transcript-earlier").hidden = !snapshot.messages_more;
         else if (snapshot.messages_more) scheduleRefresh();
