@@ -10,6 +10,12 @@ Everything is one table, ``dex_messages``, read oldest first (``session_snapshot
 * assistant messages (:func:`add_assistant_message`) are the model's text, which the agent
   process records so that the transcript is the whole conversation.
 
+The transcript is rendered here for every reader (``session_snapshot``, ``DexClient``, the HTTP
+API, the page): the tool message of a call a person approved with edited arguments has the
+edit note as its ``text`` (``the arguments were edited before approval: amount_cents 50000 ->
+9000``), read with the call's ``original_arguments``. :func:`tool_message_text` is what the
+model reads for a call, note first; every framework adapter gives the model that.
+
 One rule about reports of unknown outcomes lives here, because every reconciler (the seeds'
 sample, :func:`dex_tasks.agent.reconcile.report_unknown_outcomes`, beat's per-tool checkers) writes
 its report with :func:`send_user_message`: a user message whose text ends in
@@ -21,6 +27,7 @@ still leave one report.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -29,6 +36,7 @@ from typing import Any
 
 from sqlalchemy import bindparam, insert, literal, select
 from sqlalchemy.engine import Connection
+from sqlalchemy.sql import Select
 
 from dex_tasks.errors import DexError, InvalidArgumentError
 from dex_tasks.limits import SESSION_ID_MAX, TURN_ID_MAX, check_id, check_text
@@ -40,7 +48,7 @@ from dex_tasks.store import (
     deliver_ready_messages,
     lock_session_messages,
 )
-from dex_tasks.store.records import SessionMessage
+from dex_tasks.store.records import SessionMessage, ToolCallRecord, edit_note
 
 log = logging.getLogger("dex_tasks.store.transcript")
 
@@ -195,6 +203,28 @@ def _read_one(conn: Connection, message_id: int) -> SessionMessage:
     return SessionMessage.from_row(dict(row))
 
 
+_ORIGINAL = "call_original_arguments"
+
+
+def transcript_select() -> Select[Any]:
+    """The messages with what rendering them needs: each tool message's call's
+    ``original_arguments`` (an outer join on the call's key; other messages have no key).
+    Callers add the session, the window and the order; :func:`transcript_message` reads a row."""
+    return (select(MESSAGES, CALLS.c.original_arguments.label(_ORIGINAL))
+            .select_from(MESSAGES.outerjoin(CALLS, CALLS.c.key == MESSAGES.c.key)))
+
+
+def transcript_message(row: Any) -> SessionMessage:
+    """A row of :func:`transcript_select` as the transcript shows it: a tool message of a call
+    approved with edited arguments has the edit note as its text."""
+    message = SessionMessage.from_row(row)
+    original = row.get(_ORIGINAL)
+    if original is None or message.tool_arguments is None:
+        return message
+    note = edit_note(json.loads(original), json.loads(message.tool_arguments))
+    return message.model_copy(update={"text": note})
+
+
 def session_messages(conn: Connection, session_id: str) -> list[SessionMessage]:
     """The session's transcript, oldest first, read in the caller's transaction.
 
@@ -203,9 +233,28 @@ def session_messages(conn: Connection, session_id: str) -> list[SessionMessage]:
     (``queued``) is shown where it was sent.
     """
     rows = conn.execute(
-        select(MESSAGES).where(MESSAGES.c.session_id == session_id).order_by(MESSAGES.c.id)
+        transcript_select().where(MESSAGES.c.session_id == session_id).order_by(MESSAGES.c.id)
     ).mappings().all()
-    return [SessionMessage.from_row(dict(row)) for row in sorted(rows, key=transcript_order)]
+    return [transcript_message(dict(row)) for row in sorted(rows, key=transcript_order)]
+
+
+def tool_message_text(call: ToolCallRecord | SessionMessage, output: str | None = None) -> str:
+    """What the model reads for an ended call (a record, or its tool message): ``output``
+    (default: the result as JSON text, or the error text), after the edit note in parentheses
+    on a line of its own when a person approved edited arguments, so the model knows that the
+    tool ran with other arguments than it asked for."""
+    if isinstance(call, SessionMessage):
+        note = call.text
+        if output is None:
+            status = call.call_status.value if call.call_status else "unknown"
+            output = call.tool_output or f"the tool call ended {status}"
+    else:
+        note = call.arguments_edit
+        if output is None:
+            output = (json.dumps(call.result, ensure_ascii=False)
+                      if call.status is CallStatus.SUCCEEDED
+                      else call.error or f"the tool call ended {call.status.value}")
+    return f"({note})\n{output}" if note else output
 
 
 def transcript_order(row: Any) -> tuple[int, bool, int]:
