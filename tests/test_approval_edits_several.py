@@ -15,10 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from dex_tasks import CallStatus, DexClient, MessageRole
+from dex_tasks import CallStatus, DexClient, DexSettings, MessageRole
+from dex_tasks.api import create_api
 from dex_tasks.store import APPROVALS
+from dex_tasks.tokens import issue_token
 from tests.conftest import StartWorker, fast_settings, settings_env
 from tests.helpers import wait_until
 from workers import ledger
@@ -29,8 +32,13 @@ EDITED = {"account": "DE89", "amount_cents": 50_000}
 
 
 @pytest.fixture
-def db_client(redis_url: str, database_url: str) -> Iterator[DexClient]:
-    with DexClient(fast_settings(redis_url, database_url)) as c:
+def db_settings(redis_url: str, database_url: str) -> DexSettings:
+    return fast_settings(redis_url, database_url)
+
+
+@pytest.fixture
+def db_client(db_settings: DexSettings) -> Iterator[DexClient]:
+    with DexClient(db_settings) as c:
         yield c
 
 
@@ -55,7 +63,7 @@ def _approve(client: DexClient, session: str, interrupt: str, who: str,
 
 
 def test_an_edit_restarts_the_approvals_on_the_edited_version(
-    db_client: DexClient, worker: None, ledger_path: Path
+    db_client: DexClient, worker: None, ledger_path: Path, db_settings: DexSettings
 ) -> None:
     call = _wire(db_client, "s-ed", "c1")
     interrupt = call.interrupt_id
@@ -87,8 +95,14 @@ def test_an_edit_restarts_the_approvals_on_the_edited_version(
     # And the transcript's tool message tells the model
     (message,) = [m for m in db_client.get_agent_snapshot("s-ed").messages
                   if m.role is MessageRole.TOOL]
-    assert message.text == ("the arguments were edited before approval: "
-                            "amount_cents 100000 -> 50000")
+    note = "the arguments were edited before approval: amount_cents 100000 -> 50000"
+    assert message.text == note
+    # ... and so does the HTTP snapshot (the page's transcript)
+    token = issue_token("test-secret-key", "s-ed", approver="alice")
+    with TestClient(create_api(db_settings)) as http:
+        served = http.get("/sessions/s-ed/snapshot",
+                          headers={"Authorization": f"Bearer {token}"}).json()
+    assert [m["text"] for m in served["messages"] if m["role"] == "tool"] == [note]
     # Editing back to the model's arguments is an edit too, and leaves no note
     back = _wire(db_client, "s-ed", "c2")
     assert _approve(db_client, "s-ed", back.interrupt_id, "alice", EDITED)
