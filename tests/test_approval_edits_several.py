@@ -9,6 +9,7 @@ version its approver did not approve, however the deciders race.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +18,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
+from typer.testing import CliRunner
 
 from dex_tasks import CallStatus, DexClient, DexSettings, MessageRole
 from dex_tasks.api import create_api
+from dex_tasks.ops.cli import app as cli_app
 from dex_tasks.store import APPROVALS
 from dex_tasks.tokens import issue_token
 from tests.conftest import StartWorker, fast_settings, settings_env
@@ -65,12 +68,18 @@ def _approve(client: DexClient, session: str, interrupt: str, who: str,
 def test_an_edit_restarts_the_approvals_on_the_edited_version(
     db_client: DexClient, worker: None, ledger_path: Path, db_settings: DexSettings
 ) -> None:
+    db_env = settings_env(db_settings, ledger_path)
     call = _wire(db_client, "s-ed", "c1")
     interrupt = call.interrupt_id
     # Given alice approved the model's arguments
     assert _approve(db_client, "s-ed", interrupt, "alice")
-    # When bob approves with other arguments
-    assert _approve(db_client, "s-ed", interrupt, "bob", EDITED)
+    # When bob approves with other arguments, on the command line
+    cli = CliRunner().invoke(cli_app, [
+        "approvals", "approve", "s-ed", interrupt, "--approver", "bob",
+        "--permission", "payments.approve", "--arguments", json.dumps(EDITED)], env=db_env)
+    assert cli.exit_code == 0, cli.output
+    assert "approval counted: 1 of 2" in cli.stdout
+    assert "amount_cents 100000 -> 50000; the approvals start again" in cli.stdout
     # Then the call still waits, on the edited version, with bob's approval its first
     (pending,) = db_client.get_agent_snapshot("s-ed").pending_interrupts
     assert (pending.arguments, pending.original_arguments) == (EDITED, ASKED)

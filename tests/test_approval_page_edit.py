@@ -17,7 +17,7 @@ import pytest
 
 from dex_tasks import CallStatus, DexClient
 from dex_tasks.tokens import issue_token
-from tests.browser import CHROMIUM, CHROMIUM_ARGS, ApiProcess, api_process, playwright_or_skip
+from tests.browser import ApiProcess, api_process, chromium_page, playwright_or_skip
 from tests.conftest import StartWorker
 from workers import ledger
 
@@ -46,38 +46,31 @@ def test_person_edits_the_arguments_in_the_browser_and_the_tool_runs_them_once(
     assert refund.interrupt_id and wire.interrupt_id
     token = issue_token("test-secret-key", SESSION, approver="alice")
 
-    with playwright_sync.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            errors: list[str] = []
-            page.on("pageerror", lambda err: errors.append(str(err)))
-            page.goto(f"{api.url}/sessions/{SESSION}?token={token}")
-            expect = playwright_sync.expect
-            card = page.locator(f'#pending [data-interrupt-id="{refund.interrupt_id}"]')
-            expect(card).to_be_visible()
-            # A call of several approvers may be edited too (the edit restarts its count)
-            wire_card = page.locator(f'#pending [data-interrupt-id="{wire.interrupt_id}"]')
-            expect(wire_card.locator("details.edit")).to_be_visible()
+    with chromium_page(playwright_sync, f"{api.url}/sessions/{SESSION}?token={token}") as (
+            page, errors):
+        expect = playwright_sync.expect
+        card = page.locator(f'#pending [data-interrupt-id="{refund.interrupt_id}"]')
+        expect(card).to_be_visible()
+        # A call of several approvers may be edited too (the edit restarts its count)
+        wire_card = page.locator(f'#pending [data-interrupt-id="{wire.interrupt_id}"]')
+        expect(wire_card.locator("details.edit")).to_be_visible()
 
-            # When the person opens the edit box, changes the amount and approves
-            card.locator("details.edit summary").click()
-            box = card.locator(".edit-args")
-            expect(box).to_be_visible()
-            assert json.loads(box.input_value()) == ASKED  # prefilled with the model's
-            box.fill(json.dumps(EDITED, indent=2))
-            card.locator("button.approve").click()
+        # When the person opens the edit box, changes the amount and approves
+        card.locator("details.edit summary").click()
+        box = card.locator(".edit-args")
+        expect(box).to_be_visible()
+        assert json.loads(box.input_value()) == ASKED  # prefilled with the model's
+        box.fill(json.dumps(EDITED, indent=2))
+        card.locator("button.approve").click()
 
-            # Then the card moves to the decided list, says it was edited, and shows the
-            # result of the edited refund
-            done = page.locator(f'#decided [data-interrupt-id="{refund.interrupt_id}"]')
-            expect(done.locator(".call-status")).to_have_text("succeeded", timeout=20_000)
-            expect(done.locator(".edited")).to_be_visible()
-            expect(done.locator(".edited")).to_contain_text("4599")
-            expect(done.locator(".outcome")).to_contain_text('"refunded_cents": 1200')
-            assert errors == []
-        finally:
-            browser.close()
+        # Then the card moves to the decided list, says it was edited, and shows the result
+        # of the edited refund
+        done = page.locator(f'#decided [data-interrupt-id="{refund.interrupt_id}"]')
+        expect(done.locator(".call-status")).to_have_text("succeeded", timeout=20_000)
+        expect(done.locator(".edited")).to_be_visible()
+        expect(done.locator(".edited")).to_contain_text("4599")
+        expect(done.locator(".outcome")).to_contain_text('"refunded_cents": 1200')
+        assert errors == []
 
     # The store agrees: the tool ran once, with the edited arguments, under the call's key
     record = client.get_tool_call(refund.key)
