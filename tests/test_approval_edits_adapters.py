@@ -121,6 +121,28 @@ def test_pydantic_ai_override_args_edit_the_dex_call_and_the_model_is_told(
     assert tool_message_text(message).startswith(f"({NOTE})\n")
     assert json.loads(message.tool_arguments) == EDITED
 
+    # Without a durable turn (keys from the history), an edit made the dex way is answered
+    # with override_args too; the run asks with the edited arguments, which dex-tasks takes as
+    # the same call: it runs once
+    plain = DexCapability(client)
+    agent_plain = PydanticAgent(FunctionModel(model), capabilities=[plain],
+                                output_type=[str, DeferredToolRequests])
+    stopped = asyncio.run(agent_plain.run("Refund both", conversation_id="pyd-plain"))
+    assert isinstance(stopped.output, DeferredToolRequests)
+    meta = stopped.output.metadata["c-l"]
+    assert client.resolve_interrupt("pyd-plain", meta["dex_interrupt_id"], True,
+                                    approver="bob", arguments=EDITED)
+    answers = asyncio.run(plain.deferred_results(stopped.all_messages()))
+    approved = answers.approvals["c-l"]
+    assert isinstance(approved, ToolApproved) and approved.override_args == EDITED
+    for _ in range(2):  # resumed twice: still one run of the tool
+        again = asyncio.run(agent_plain.run(message_history=stopped.all_messages(),
+                                            deferred_tool_results=answers))
+        assert again.output == "done"
+    assert ledger.executions(ledger_path)[meta["dex_key"]] == 1
+    assert client.get_tool_call(meta["dex_key"]).result == {"charge_id": "ch_large",
+                                                            "refunded_cents": 9_000}
+
 
 def _outputs(call: ModelCall) -> dict[str, str]:
     return {item["call_id"]: item["output"] for item in call.input
