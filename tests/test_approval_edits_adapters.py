@@ -195,3 +195,31 @@ def test_openai_agents_pause_only_what_the_rule_holds_and_read_the_dex_edit(
     # And the transcript's tool message carries the same note
     assert _tool_message(client, "oai-edit", "oai-edit/t1/c-l").text == NOTE
     assert _tool_message(client, "oai-edit", "oai-edit/t1/c-s").text is None
+
+
+def test_every_adapter_renders_the_edit_note_for_the_model() -> None:
+    from datetime import UTC, datetime
+
+    from dex_tasks import ToolCallRecord
+    from dex_tasks.integrations.google_adk import model_result
+    from dex_tasks.integrations.langchain import _tool_message
+    from dex_tasks.integrations.mcp_server import _result
+
+    record = ToolCallRecord(
+        key="s/t/c", session_id="s", turn_id="t", tool_call_id="c", tool="issue_refund",
+        arguments=EDITED, original_arguments=LARGE, effect="non_idempotent_write",
+        requires_approval=True, status="succeeded",
+        result={"charge_id": "ch_large", "refunded_cents": 9_000}, created_at=datetime.now(UTC))
+    assert tool_message_text(record) == (
+        f'({NOTE})\n{{"charge_id": "ch_large", "refunded_cents": 9000}}')
+    langchain = _tool_message(record, {"id": "c", "name": "issue_refund", "args": {}})
+    assert langchain.content == tool_message_text(record)
+    mcp = _result(record).content[0]
+    assert getattr(mcp, "text", None) == tool_message_text(record)
+    assert model_result(record)["dex_arguments_edit"] == NOTE
+    failed = record.model_copy(update={"status": CallStatus.FAILED, "result": None,
+                                       "error": "card declined"})
+    assert tool_message_text(failed) == f"({NOTE})\ncard declined"
+    plain = record.model_copy(update={"original_arguments": None})
+    assert "dex_arguments_edit" not in model_result(plain)
+    assert not tool_message_text(plain).startswith("(")
