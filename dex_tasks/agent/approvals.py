@@ -62,7 +62,7 @@ from dex_tasks.store.records import (
 )
 from dex_tasks.store.sqljson import same_json
 from dex_tasks.store.tables import INSERT_EVENT
-from dex_tasks.store.transcript import session_messages, transcript_message, transcript_select
+from dex_tasks.store.transcript import session_messages, with_edit_notes
 
 log = logging.getLogger("dex_tasks.agent.approvals")
 
@@ -466,8 +466,8 @@ def _messages(conn: Connection, session_id: str,
               window: SnapshotWindow | None) -> list[SessionMessage]:
     if window is None:
         return session_messages(conn, session_id)
-    query = transcript_select().where(MESSAGES.c.session_id == session_id,
-                                      MESSAGES.c.id > window.messages_after)
+    query = select(MESSAGES).where(MESSAGES.c.session_id == session_id,
+                                   MESSAGES.c.id > window.messages_after)
     if window.messages_before is None:
         query = query.order_by(MESSAGES.c.id).limit(window.limit)
         rows = list(conn.execute(query).mappings())
@@ -475,7 +475,8 @@ def _messages(conn: Connection, session_id: str,
         query = (query.where(MESSAGES.c.id < window.messages_before)
                  .order_by(MESSAGES.c.id.desc()).limit(window.limit))
         rows = list(conn.execute(query).mappings())[::-1]
-    return [transcript_message(dict(row)) for row in rows]
+    return with_edit_notes(conn, session_id, [SessionMessage.from_row(dict(row))
+                                              for row in rows])
 
 
 def session_snapshot(store: Store, session_id: str, now: float | None = None,

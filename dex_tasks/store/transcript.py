@@ -13,7 +13,8 @@ Everything is one table, ``dex_messages``, read oldest first (``session_snapshot
 The transcript is rendered here for every reader (``session_snapshot``, ``DexClient``, the HTTP
 API, the page): the tool message of a call a person approved with edited arguments has the
 edit note as its ``text`` (``the arguments were edited before approval: amount_cents 50000 ->
-9000``), read with the call's ``original_arguments``. :func:`tool_message_text` is what the
+9000``), from the call's ``original_arguments`` (one small query per transcript read: the
+session's edited calls). :func:`tool_message_text` is what the
 model reads for a call, note first; every framework adapter gives the model that.
 
 One rule about reports of unknown outcomes lives here, because every reconciler (the seeds'
@@ -36,7 +37,6 @@ from typing import Any
 
 from sqlalchemy import bindparam, insert, literal, select
 from sqlalchemy.engine import Connection
-from sqlalchemy.sql import Select
 
 from dex_tasks.errors import DexError, InvalidArgumentError
 from dex_tasks.limits import SESSION_ID_MAX, TURN_ID_MAX, check_id, check_text
@@ -203,22 +203,28 @@ def _read_one(conn: Connection, message_id: int) -> SessionMessage:
     return SessionMessage.from_row(dict(row))
 
 
-_ORIGINAL = "call_original_arguments"
+# The calls of a session a person approved with edited arguments: usually none, read by the
+# session index, so rendering a transcript costs one small query, not a join per message.
+_EDITED_CALLS = select(CALLS.c.key, CALLS.c.original_arguments).where(
+    CALLS.c.session_id == bindparam("e_session"), CALLS.c.original_arguments.is_not(None))
 
 
-def transcript_select() -> Select[Any]:
-    """The messages with what rendering them needs: each tool message's call's
-    ``original_arguments`` (an outer join on the call's key; other messages have no key).
-    Callers add the session, the window and the order; :func:`transcript_message` reads a row."""
-    return (select(MESSAGES, CALLS.c.original_arguments.label(_ORIGINAL))
-            .select_from(MESSAGES.outerjoin(CALLS, CALLS.c.key == MESSAGES.c.key)))
+def with_edit_notes(conn: Connection, session_id: str,
+                    messages: list[SessionMessage]) -> list[SessionMessage]:
+    """The messages as the transcript shows them: the tool message of a call approved with
+    edited arguments has the edit note as its text."""
+    if not any(m.role is MessageRole.TOOL for m in messages):
+        return messages
+    originals: dict[str, str] = {
+        row.key: row.original_arguments
+        for row in conn.execute(_EDITED_CALLS, {"e_session": session_id})}
+    if not originals:
+        return messages
+    return [_noted(m, originals.get(m.key)) if m.role is MessageRole.TOOL and m.key else m
+            for m in messages]
 
 
-def transcript_message(row: Any) -> SessionMessage:
-    """A row of :func:`transcript_select` as the transcript shows it: a tool message of a call
-    approved with edited arguments has the edit note as its text."""
-    message = SessionMessage.from_row(row)
-    original = row.get(_ORIGINAL)
+def _noted(message: SessionMessage, original: str | None) -> SessionMessage:
     if original is None or message.tool_arguments is None:
         return message
     note = edit_note(json.loads(original), json.loads(message.tool_arguments))
@@ -233,9 +239,10 @@ def session_messages(conn: Connection, session_id: str) -> list[SessionMessage]:
     (``queued``) is shown where it was sent.
     """
     rows = conn.execute(
-        transcript_select().where(MESSAGES.c.session_id == session_id).order_by(MESSAGES.c.id)
+        select(MESSAGES).where(MESSAGES.c.session_id == session_id).order_by(MESSAGES.c.id)
     ).mappings().all()
-    return [transcript_message(dict(row)) for row in sorted(rows, key=transcript_order)]
+    return with_edit_notes(conn, session_id, [SessionMessage.from_row(dict(row))
+                                              for row in sorted(rows, key=transcript_order)])
 
 
 def tool_message_text(call: ToolCallRecord | SessionMessage, output: str | None = None) -> str:
