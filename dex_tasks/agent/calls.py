@@ -267,9 +267,12 @@ def same_call(existing: Any, tool: str, args_json: str, options: Mapping[str, An
     if existing.tool != tool:
         raise ConflictError(existing.key, "tool")
     # By value: PostgreSQL's jsonb hands back its own spelling of the stored arguments. A call
-    # approved with edited arguments is compared by the ones the model asked for.
-    asked = getattr(existing, "original_arguments", None) or existing.arguments
-    if not same_json(asked, args_json):
+    # approved with edited arguments is the same call asked with the model's arguments or with
+    # the edited ones (a framework that runs an approved call with its override, Pydantic AI's
+    # ToolApproved(override_args=...), asks with those).
+    asked = getattr(existing, "original_arguments", None)
+    if not same_json(existing.arguments, args_json) and (
+            asked is None or not same_json(asked, args_json)):
         raise ConflictError(existing.key, "arguments")
     if options is not None and stored_options is not None:
         for name in ("default_effect", "approval_deadline", "expires_in"):

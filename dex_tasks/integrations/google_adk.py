@@ -199,10 +199,15 @@ def dex_key(session: Session, function_call_id: str) -> str:
 
 
 def model_result(record: ToolCallRecord) -> Any:
-    """What the model reads: the result (an object as it is), else ``{"error": text}``."""
+    """What the model reads: the result (an object as it is), else ``{"error": text}``; with
+    ``"dex_arguments_edit"`` (the note) when a person approved edited arguments."""
     if record.status is CallStatus.SUCCEEDED:
-        return record.result if isinstance(record.result, dict) else {"result": record.result}
-    return {"error": record.error or f"the tool call ended {record.status.value}"}
+        response = record.result if isinstance(record.result, dict) else {"result": record.result}
+    else:
+        response = {"error": record.error or f"the tool call ended {record.status.value}"}
+    if record.arguments_edit:
+        response = {**response, "dex_arguments_edit": record.arguments_edit}
+    return response
 
 
 def _escape(value: str) -> str:

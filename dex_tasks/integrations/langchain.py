@@ -87,6 +87,7 @@ from dex_tasks import (
     ToolSpec,
     UnknownToolError,
     key_part,
+    tool_message_text,
 )
 
 __all__ = [
@@ -181,10 +182,8 @@ def _tool_message(record: ToolCallRecord, call: ToolCall) -> ToolMessage:
     else:
         content = record.error or f"the tool call ended {record.status.value}"
         status = "error"
-    if record.arguments_edit:  # a person approved other arguments: the model is told
-        content = f"({record.arguments_edit})\n{content}"
     return ToolMessage(
-        content=content,
+        content=tool_message_text(record, content),  # the edit note first, if edited
         tool_call_id=call.get("id") or "",
         name=call["name"],
         status=status,

@@ -60,6 +60,7 @@ from dex_tasks import (
     ToolCallRecord,
     ToolSpec,
     read_token,
+    tool_message_text,
 )
 
 try:
@@ -295,8 +296,9 @@ def mcp_tool(spec: ToolSpec) -> types.Tool:
 def _result(record: ToolCallRecord) -> types.CallToolResult:
     """A terminal call as the client reads it."""
     if record.status is not CallStatus.SUCCEEDED:
-        return _error(record.error or f"the tool call ended {record.status.value}", record)
-    text = json.dumps(record.result, ensure_ascii=False)
+        return _error(tool_message_text(record), record)
+    # The edit note first when a person approved edited arguments.
+    text = tool_message_text(record)
     return types.CallToolResult(
         content=[types.TextContent(type="text", text=text)],
         structured_content=record.result if isinstance(record.result, dict) else None,

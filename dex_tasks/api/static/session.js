@@ -187,8 +187,6 @@
       edit.value = pretty(item.arguments);
       edit.addEventListener("input", () => { edit.dataset.touched = "true"; }, { once: true });
     }
-    const editBox = card.querySelector(".edit");
-    if (editBox) editBox.hidden = needed > 1;  // edits need a single approver
     const call = callsByKey.get(item.key);
     card.dataset.status = call ? call.status : "awaiting_approval";
     tickCard(card);
