@@ -1,0 +1,52 @@
+"""A crew process for the kill test of the CrewAI adapter: an offline model charges a card (a
+slow single-attempt write, no approval), then reports what the charge tool said.
+
+    python -m tests.crewai_agent_proc SESSION_ID
+
+Uses the ``DEX_*`` settings of the environment; running it again is the restart.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+os.environ.setdefault("CREWAI_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("OTEL_SDK_DISABLED", "true")
+
+from crewai import Agent, BaseLLM, Crew, Task
+
+from dex_tasks import DexClient
+from dex_tasks.integrations.crewai import dex_crew_tools
+from tests.helpers import ROOT, load_module
+
+EXAMPLE: Any = load_module(ROOT / "examples" / "crewai_agent.py", "crewai_agent")
+
+
+class ChargeLLM(BaseLLM):
+    """Charges once, then says what the charge tool returned."""
+
+    def call(self, messages: Any, *args: Any, **kwargs: Any) -> str:
+        seen = EXAMPLE.observations(messages)
+        if seen:
+            return f"Thought: done\nFinal Answer: charge said: {seen[0]}"
+        return EXAMPLE.action("charge_card",
+                              {"customer_id": "cu_1", "amount_cents": 500, "sleep": 3.0})
+
+    def supports_function_calling(self) -> bool:
+        return False
+
+
+def main(session_id: str) -> None:
+    with DexClient.from_env() as client:
+        agent = Agent(role="billing", goal="Charge the customer.", backstory="A cashier.",
+                      llm=ChargeLLM(model="scripted"), max_iter=4,
+                      tools=dex_crew_tools(client, ["charge_card"], session_id=session_id))
+        task = Task(description="Charge customer cu_1 500 cents.",
+                    expected_output="What the charge tool said.", agent=agent)
+        print(Crew(agents=[agent], tasks=[task]).kickoff(), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
