@@ -38,14 +38,18 @@ class ChargeLLM(BaseLLM):
         return False
 
 
+def crew(client: DexClient, session_id: str) -> Crew:
+    agent = Agent(role="billing", goal="Charge the customer.", backstory="A cashier.",
+                  llm=ChargeLLM(model="scripted"), max_iter=4,
+                  tools=dex_crew_tools(client, ["charge_card"], session_id=session_id))
+    task = Task(description="Charge customer cu_1 500 cents.",
+                expected_output="What the charge tool said.", agent=agent)
+    return Crew(agents=[agent], tasks=[task])
+
+
 def main(session_id: str) -> None:
     with DexClient.from_env() as client:
-        agent = Agent(role="billing", goal="Charge the customer.", backstory="A cashier.",
-                      llm=ChargeLLM(model="scripted"), max_iter=4,
-                      tools=dex_crew_tools(client, ["charge_card"], session_id=session_id))
-        task = Task(description="Charge customer cu_1 500 cents.",
-                    expected_output="What the charge tool said.", agent=agent)
-        print(Crew(agents=[agent], tasks=[task]).kickoff(), flush=True)
+        print(crew(client, session_id).kickoff(), flush=True)
 
 
 if __name__ == "__main__":

@@ -136,3 +136,33 @@ def test_a_crew_killed_while_its_tool_runs_is_run_again_without_running_it_again
     assert 'charge said: {"charge_id": "ch_' in again.stdout, again.stdout
     assert ledger.executions(ledger_path) == {key: 1}
     assert client.get_tool_call(key).status is CallStatus.SUCCEEDED
+
+
+def test_crewais_own_retry_of_a_tool_that_raised_never_charges_twice(
+    client: DexClient, start_worker: StartWorker, ledger_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # crewAI #5802: CrewAI calls a tool again when it raised, and the payment ran twice
+    start_worker(concurrency=2)
+    monkeypatch.setenv("DEX_EXAMPLE_LEDGER", str(ledger_path))
+    proc = load_module(ROOT / "tests" / "crewai_agent_proc.py", "crewai_agent_proc")
+    made: list[str] = []
+    call_tool = client.call_tool
+
+    def lost_answer(**request: Any) -> Any:
+        record = call_tool(**request)  # the call is recorded and sent...
+        made.append(record.key)
+        if len(made) == 1:
+            raise ConnectionError("the store's answer was lost")  # ...but the tool raises
+        return record
+
+    monkeypatch.setattr(client, "call_tool", lost_answer)
+    crew = proc.crew(client, "cr")
+    assert 'charge said: {"charge_id": "ch_' in str(crew.kickoff())
+    assert len(made) == 2 and made[0] == made[1]  # CrewAI's retry: the same key
+    assert ledger.executions(ledger_path) == {made[0]: 1}
+
+    # A dex tool run outside a crew's task has no key: it does not run
+    (charge,) = crew.agents[0].tools
+    assert "runs only inside a crew's task" in charge.run(customer_id="cu_1", amount_cents=1)
+    assert len(made) == 2

@@ -24,8 +24,8 @@ How it works:
   ``session_id`` the caller names (one run of the crew, a conversation), ``task`` is the
   task's position in the crew and CrewAI's ``Task.key`` (a hash of its description and
   expected output), and the last part is CrewAI's ``Agent.key``, the agent loop's iteration
-  at the call, and the tool's name. The task, agent and iteration come from a CrewAI
-  ``before_tool_call`` hook, registered once.
+  at the call, and the tool's name. The task, agent and iteration come from CrewAI's
+  ``before_tool_call`` hook (and are forgotten in ``after_tool_call``), registered once.
 * So CrewAI's own retries of a tool that raised (``ToolUsage`` calls it again), a crew
   re-run after the process died, and a replayed step all reach the call already made: it is
   awaited, never started again. (A model that answers differently on the re-run asks for
@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from typing import Any
 
 try:
-    from crewai.hooks import register_before_tool_call_hook
+    from crewai.hooks import register_after_tool_call_hook, register_before_tool_call_hook
     from crewai.hooks.tool_hooks import ToolCallHookContext
     from crewai.tools import BaseTool
     from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, create_model
@@ -102,11 +102,18 @@ def _remember_step(context: ToolCallHookContext) -> None:
         _current.set(_Step(context.task, context.agent, context.crew))
 
 
-def _register_hook() -> None:
+def _forget_step(context: ToolCallHookContext) -> None:
+    # After the call (CrewAI's own retries included): a tool run outside a crew gets no key.
+    if isinstance(getattr(context.tool, "_original_tool", None), DexCrewTool):
+        _current.set(None)
+
+
+def _register_hooks() -> None:
     global _hook_registered
     with _hook_lock:
         if not _hook_registered:
             register_before_tool_call_hook(_remember_step)
+            register_after_tool_call_hook(_forget_step)
             _hook_registered = True
 
 
@@ -184,7 +191,7 @@ def dex_crew_tools(
     one. The catalog is read once, here. Raises :class:`UnknownToolError` for a name the
     catalog lacks.
     """
-    _register_hook()
+    _register_hooks()
     specs = {spec.name: spec for spec in client.list_tools(default_effect)}
     unknown = next((name for name in names or () if name not in specs), None)
     if unknown is not None:
