@@ -4,8 +4,9 @@ standing in for a real model (no API key).
 The agent looks up order 1001 (a read: it runs at once) and asks to refund it (a
 non-idempotent write: a person must approve). The tool tells the agent the refund awaits a
 person; the crew ends its task and the process exits. A person decides in dex-tasks; running
-the script again runs the same crew with the same session: the lookup gives its recorded
-result, the refund runs once, or the agent reads the rejection.
+the script again runs the same crew with the same session: the model's journaled decisions
+are replayed (the lookup gives its recorded result), the refund runs once, or the agent reads
+the rejection.
 
     dex-tasks worker --tools workers.example_tools    # in the repo root (or: make worker)
     python examples/crewai_agent.py                   # "waiting for a person: ..." (exit 3)
@@ -31,7 +32,7 @@ os.environ.setdefault("OTEL_SDK_DISABLED", "true")
 from crewai import Agent, BaseLLM, Crew, Task
 
 from dex_tasks import DexClient
-from dex_tasks.integrations.crewai import dex_crew_tools
+from dex_tasks.integrations.crewai import DexCrewLLM, dex_crew_tools
 
 WAITING = 3
 OBSERVATION = re.compile(r"^Observation: (.*)$", re.M)
@@ -44,10 +45,12 @@ class ScriptedLLM(BaseLLM):
     def __init__(self, order_id: str = "1001") -> None:
         super().__init__(model="scripted")
         self.order_id = order_id
+        self.asked = 0
 
     def call(self, messages: Any, tools: Any = None, callbacks: Any = None,
              available_functions: Any = None, from_task: Any = None, from_agent: Any = None,
              response_model: Any = None) -> str:
+        self.asked += 1
         seen = observations(messages)
         if not seen:
             return action("lookup_order", {"order_id": self.order_id})
@@ -77,14 +80,19 @@ def build_crew(client: DexClient, session_id: str, order_id: str) -> Crew:
     tools = dex_crew_tools(client, ["lookup_order", "refund_payment"], session_id=session_id)
     agent = Agent(role="support", goal="Help customers with their orders.",
                   backstory="You answer from the shop's tools.", tools=tools,
-                  llm=ScriptedLLM(order_id), max_iter=6)
+                  llm=DexCrewLLM(client, ScriptedLLM(order_id), session_id=session_id),
+                  max_iter=6)
     task = Task(description=f"Refund order {order_id}.", expected_output="The refund's outcome.",
                 agent=agent)
     return Crew(agents=[agent], tasks=[task])
 
 
 def run(client: DexClient, session_id: str, order_id: str) -> int:
-    output = str(build_crew(client, session_id, order_id).kickoff())
+    return run_crew(client, build_crew(client, session_id, order_id), session_id)
+
+
+def run_crew(client: DexClient, crew: Crew, session_id: str) -> int:
+    output = str(crew.kickoff())
     pending = client.get_agent_snapshot(session_id).pending_interrupts
     for interrupt in pending:
         print(f"waiting for a person: {interrupt.tool} {json.dumps(interrupt.arguments)} "

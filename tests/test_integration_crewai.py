@@ -60,16 +60,22 @@ def test_an_approval_survives_the_crew_process_and_the_refund_runs_once(
     assert client.resolve_interrupt("ca", pending.interrupt_id, True, approver="alice")
     example = load_example()
     capsys.readouterr()
-    assert example.run(client, "ca", "1001") == 0
+    crew = example.build_crew(client, "ca", "1001")
+    assert example.run_crew(client, crew, "ca") == 0
     assert 'refund tool said: {"charge_id": "ch_1001", "refunded_cents": 4599}' in (
         capsys.readouterr().out)
+    # (the model's two journaled decisions were replayed: it was asked for the answer only)
+    assert crew.agents[0].llm._inner.asked == 1
     step = crew_step(example, client, "ca", "1001", 1, "refund_payment")
     refund_key = "/".join(dex_ids("ca", *step))
     assert ledger.executions(ledger_path) == {lookup_key: 1, refund_key: 1}
     assert client.get_tool_call(refund_key).status is CallStatus.SUCCEEDED
 
-    # And running it once more starts nothing again
-    assert example.run(client, "ca", "1001") == 0
+    # And running it once more starts nothing again, nor asks the model: the task's turn ended
+    crew = example.build_crew(client, "ca", "1001")
+    assert example.run_crew(client, crew, "ca") == 0
+    assert 'refund tool said: {"charge_id": "ch_1001"' in capsys.readouterr().out
+    assert crew.agents[0].llm._inner.asked == 0
     assert ledger.executions(ledger_path) == {lookup_key: 1, refund_key: 1}
 
 
@@ -128,12 +134,14 @@ def test_a_crew_killed_while_its_tool_runs_is_run_again_without_running_it_again
         crew.wait(10)
     (key,) = ledger.executions(ledger_path)
 
-    # Then the same crew run again reaches the same call: the model reads the charge, and the
-    # card was charged once
-    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=90)
+    # Then the same crew run again (whose model would now charge 700 if it were asked)
+    # replays the journaled decision and reaches the same call: the model reads the charge of
+    # 500, and the card was charged once
+    again = subprocess.run(command, cwd=ROOT, env={**env, "CHARGE_CENTS": "700"},
+                           capture_output=True, text=True, timeout=90)
     assert again.returncode == 0, again.stdout + again.stderr
     assert 'charge said: {"charge_id": "ch_' in again.stdout, again.stdout
+    assert '"charged_cents": 500' in again.stdout
     assert ledger.executions(ledger_path) == {key: 1}
     assert client.get_tool_call(key).status is CallStatus.SUCCEEDED
 

@@ -1,15 +1,14 @@
-"""CrewAI adapter: a crew's tools run as dex-tasks calls; a call that needs approval is a
-tool result telling the agent it awaits a person, and running the crew again once a person
-decided gives the agent the outcome.
+"""CrewAI adapter: a crew's tools run as dex-tasks calls, the agent's model decisions are
+journaled, and a call that needs approval is a tool result telling the agent it awaits a
+person; running the crew again once a person decided gives the agent the outcome.
 
 The lines a user writes (``client`` is a ``DexClient``)::
 
-    from dex_tasks.integrations.crewai import dex_crew_tools
-    tools = dex_crew_tools(client, session_id="order-1001")
-    agent = Agent(role="support", goal="...", backstory="...", llm=llm, tools=tools)
-    crew = Crew(agents=[agent], tasks=[Task(description="...", expected_output="...",
-                                            agent=agent)])
-    crew.kickoff()    # run it again, in any process, once a person decided
+    from dex_tasks.integrations.crewai import DexCrewLLM, dex_crew_tools
+    agent = Agent(role="support", goal=goal, backstory=backstory,
+                  llm=DexCrewLLM(client, llm, session_id="order-1001"),
+                  tools=dex_crew_tools(client, session_id="order-1001"))
+    Crew(agents=[agent], tasks=[task]).kickoff()   # again, in any process, to continue
 
 How it works:
 
@@ -28,18 +27,24 @@ How it works:
   ``before_tool_call`` hook (and are forgotten in ``after_tool_call``), registered once.
 * So CrewAI's own retries of a tool that raised (``ToolUsage`` calls it again), a crew
   re-run after the process died, and a replayed step all reach the call already made: it is
-  awaited, never started again. (A model that answers differently on the re-run asks for
-  other arguments under the same key: the tool tells it that this step's call was already
-  made with other arguments.)
+  awaited, never started again.
+* :class:`DexCrewLLM` wraps the agent's model: each task is a durable turn of the session,
+  each model response of the agent loop is journaled as the turn's step before CrewAI runs the
+  tool it asks for, and the final answer ends the turn. The crew run again replays the
+  journaled responses instead of asking the model, so a model that would decide otherwise
+  the second time cannot start a new call. (Without it, a model that answers differently on
+  the re-run asks for other arguments under the same step's key; the tool tells it that this
+  step's call was already made with other arguments.)
 * A call that needs approval is held ``awaiting_approval`` in dex-tasks for a person
   (``resolve_interrupt``, the approval page, ``dex-tasks approvals``). The tool waits up to
   ``approval_wait`` seconds (default 0) for the decision, then tells the agent that the call
   awaits a person's approval and has not run; CrewAI does not cache that observation. The
-  crew finishes its task and the process may exit. Once a person decided, running the same
-  crew again with the same ``session_id`` reaches the same keys: calls already made give
-  their results, the approved call runs once, a rejection reaches the agent with the person's
-  message. (CrewAI's ``human_input`` asks on the console at the end of a task, in the same
-  process: it cannot hold one tool call across a process exit, so it is not used.)
+  crew finishes its task (the turn stays open) and the process may exit. Once a person
+  decided, running the same crew again with the same ``session_id`` reaches the same keys:
+  calls already made give their results, the approved call runs once, a rejection reaches
+  the agent with the person's message. (CrewAI's ``human_input`` asks on the console at the
+  end of a task, in the same process: it cannot hold one tool call across a process exit,
+  so it is not used.)
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ from collections.abc import Sequence
 from typing import Any
 
 try:
+    from crewai import BaseLLM
+    from crewai.agents.parser import AgentFinish, OutputParserError, parse
     from crewai.hooks import register_after_tool_call_hook, register_before_tool_call_hook
     from crewai.hooks.tool_hooks import ToolCallHookContext
     from crewai.tools import BaseTool
@@ -72,7 +79,7 @@ from dex_tasks import (
     key_part,
 )
 
-__all__ = ["DEFAULT_TIMEOUT", "DexCrewTool", "dex_crew_tools", "dex_ids"]
+__all__ = ["DEFAULT_TIMEOUT", "DexCrewLLM", "DexCrewTool", "dex_crew_tools", "dex_ids"]
 
 DEFAULT_TIMEOUT = 120.0
 """Seconds a tool call waits for its dex call to end before it tells the agent it still runs."""
@@ -248,6 +255,99 @@ def dex_key(session_id: str, task: Any, agent: Any, crew: Any, iteration: int,
             tool: str) -> str:
     """The idempotency key of a crew's tool call (see :func:`dex_ids`)."""
     return idempotency_key(*dex_ids(session_id, task, agent, crew, iteration, tool))
+
+
+class DexCrewLLM(BaseLLM):
+    """The agent's model with its decisions journaled in dex-tasks: ``llm=DexCrewLLM(client,
+    llm, session_id=...)`` (the same ``session_id`` as the agent's :func:`dex_crew_tools`).
+
+    Each task is a durable turn of the session (its id is the tools' ``task`` key part, its
+    input the task's prompt); each model response of the agent loop is journaled as the turn's
+    step at the loop's iteration before CrewAI runs the tool it asks for, and the final answer
+    ends the turn. Running the same crew again with the same session replays the journaled
+    responses instead of asking the model (so the tools get the same keys), and a task whose
+    turn ended gives its answer again. A final answer given while a call of the task awaits
+    a person's approval is not journaled: the turn stays open, so the crew run again once the
+    person decided asks the model again with the call's outcome.
+    """
+
+    _inner: BaseLLM
+
+    def __init__(self, client: DexClient, llm: BaseLLM, *, session_id: str) -> None:
+        self.__dict__["_inner"] = llm  # before BaseLLM's __init__ sets ``stop``
+        super().__init__(model=getattr(llm, "model", None) or "dex-journaled",
+                         temperature=getattr(llm, "temperature", None))
+        self.client, self.session_id = client, session_id
+
+    @property  # type: ignore[override]
+    def stop(self) -> list[str]:
+        stop: list[str] = getattr(self._inner, "stop", None) or []
+        return stop
+
+    @stop.setter
+    def stop(self, value: list[str]) -> None:
+        # CrewAI's executor adds its stop words to the agent's model: the model's own.
+        self._inner.stop = value
+
+    def supports_stop_words(self) -> bool:
+        return bool(self._inner.supports_stop_words())
+
+    def supports_function_calling(self) -> bool:
+        return False  # the ReAct loop: the responses journaled are its text
+
+    def get_context_window_size(self) -> int:
+        return int(self._inner.get_context_window_size())
+
+    def call(self, messages: Any, tools: Any = None, callbacks: Any = None,
+             available_functions: Any = None, from_task: Any = None, from_agent: Any = None,
+             response_model: Any = None) -> str | Any:
+        def ask() -> Any:
+            return self._inner.call(messages, tools=tools, callbacks=callbacks,
+                                    available_functions=available_functions,
+                                    from_task=from_task, from_agent=from_agent,
+                                    response_model=response_model)
+
+        executor = getattr(from_agent, "agent_executor", None)
+        prompt = _first_user_text(messages)
+        if from_task is None or executor is None or not prompt:
+            return ask()  # not an agent loop's step (planning, a summary): not journaled
+        step = int(getattr(executor, "iterations", 0) or 0)
+        session_id, turn_id, _ = dex_ids(self.session_id, from_task, from_agent,
+                                         getattr(from_agent, "crew", None), step, "-")
+        turn = self.client.begin_turn(session_id, prompt, turn_id=turn_id)
+        if turn.queued_input:
+            return ask()  # the session's open turn is another task's: no journal here
+        if not turn.open:
+            return f"Thought: I already answered\nFinal Answer: {turn.answer}"
+        if step < len(turn.steps):
+            replayed: str = json.loads(turn.steps[step].response)["text"]
+            return replayed
+        answer = ask()
+        if not isinstance(answer, str):
+            return answer
+        try:
+            parsed = parse(answer)
+        except OutputParserError:
+            parsed = None
+        if isinstance(parsed, AgentFinish):
+            if not self._awaiting(session_id, turn_id):
+                self.client.end_turn(session_id, turn_id, str(parsed.output),
+                                     response=json.dumps({"text": answer}))
+        else:
+            self.client.record_step(session_id, turn_id, step, json.dumps({"text": answer}),
+                                    [], text=answer)
+        return answer
+
+    def _awaiting(self, session_id: str, turn_id: str) -> bool:
+        snapshot = self.client.get_agent_snapshot(session_id)
+        return any(p.key.split("/")[1] == turn_id for p in snapshot.pending_interrupts)
+
+
+def _first_user_text(messages: Any) -> str:
+    if isinstance(messages, str):
+        return messages
+    return next((str(m.get("content") or "") for m in messages or ()
+                 if isinstance(m, dict) and m.get("role") == "user"), "")
 
 
 def observation(record: ToolCallRecord) -> str:
