@@ -268,7 +268,8 @@ class DexCrewLLM(BaseLLM):
     responses instead of asking the model (so the tools get the same keys), and a task whose
     turn ended gives its answer again. A final answer given while a call of the task awaits
     a person's approval is not journaled: the turn stays open, so the crew run again once the
-    person decided asks the model again with the call's outcome.
+    person decided asks the model again with the call's outcome. While an earlier task's turn
+    is open, a later task's steps are not journaled.
     """
 
     _inner: BaseLLM
@@ -314,9 +315,12 @@ class DexCrewLLM(BaseLLM):
         step = int(getattr(executor, "iterations", 0) or 0)
         session_id, turn_id, _ = dex_ids(self.session_id, from_task, from_agent,
                                          getattr(from_agent, "crew", None), step, "-")
+        other = self.client.open_turn(session_id)
+        if other is not None and other.turn_id != turn_id:
+            # An earlier task's turn is open (a call of it awaits approval): this task's
+            # steps are not journaled (beginning its turn would queue its prompt instead).
+            return ask()
         turn = self.client.begin_turn(session_id, prompt, turn_id=turn_id)
-        if turn.queued_input:
-            return ask()  # the session's open turn is another task's: no journal here
         if not turn.open:
             return f"Thought: I already answered\nFinal Answer: {turn.answer}"
         if step < len(turn.steps):
