@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import typer
 from rich.cells import cell_len
 from typer.testing import CliRunner
 
@@ -258,3 +259,17 @@ def test_start_up_waits_for_a_store_that_is_not_answering_yet() -> None:
 
     with pytest.raises(StoreUnavailableError):
         until_store_answers(down, wait=1.0)
+
+
+def test_a_server_no_integration_registers_is_one_line_and_exit_2() -> None:
+    # Given a server name no installed integration registers in the entry points
+    from dex_tasks.ops.cli_processes import server_entry_point
+
+    # When the CLI looks it up, then it says so in one line and exits 2, importing nothing
+    with pytest.raises(typer.Exit) as raised:
+        server_entry_point("no-such-server")
+    assert raised.value.exit_code == 2
+    # And the registered one is the MCP integration's serve, loaded only now
+    from dex_tasks.integrations.mcp_server import serve
+
+    assert server_entry_point("mcp") is serve

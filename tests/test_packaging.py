@@ -37,6 +37,9 @@ def test_the_wheel_installs_only_dex_tasks_with_its_metadata(tmp_path: Path) -> 
     assert "Typing :: Typed" in meta.get_all("Classifier")
     assert any(u.startswith("Documentation, ") for u in meta.get_all("Project-URL"))
     assert {"postgres", "embedded"} <= set(meta.get_all("Provides-Extra"))
+    # The CLI finds `dex-tasks mcp`'s server by its entry point, never by importing it
+    points = wheel.read("dex_tasks-0.1.0.dist-info/entry_points.txt").decode()
+    assert "[dex_tasks.servers]\nmcp = dex_tasks.integrations.mcp_server:serve" in points
 
 
 def _modules_after(statement: str) -> set[str]:

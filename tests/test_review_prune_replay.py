@@ -15,7 +15,7 @@ import pytest
 from redis import Redis
 
 from dex_tasks import CallStatus, ConflictError, DexClient, PrunedCallError
-from dex_tasks.ops.cli import _forget_claims
+from dex_tasks.ops.cli_store import forget_claims
 from dex_tasks.store.prune import prune
 from dex_tasks.worker import claims
 from tests.conftest import StartWorker
@@ -40,7 +40,7 @@ def test_a_pruned_charge_replayed_with_the_same_ids_is_refused_and_never_runs_ag
 
     # When both are pruned (as dex-tasks prune does, with its claim clean-up)
     result = prune(client.store, 60, now=time.time() + 3600,
-                   on_pruned=_forget_claims(client.settings))
+                   on_pruned=forget_claims(client.settings))
     assert (result.calls, result.tombstones) == (2, 1)
     # Then the charge's claim is gone from Redis
     assert claims.read_claim(r, charge.key) is None

@@ -34,14 +34,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dex_tasks import (
-    EffectClass,
-    Tool,
-    ToolContext,
-    ToolDefinitionError,
-    ToolPolicy,
-    define_tool,
-)
+from dex_tasks import EffectClass, Tool, ToolContext, ToolDefinitionError, ToolPolicy, define_tool
 
 __all__ = ["from_framework_tool", "from_framework_tools", "parse_args_section"]
 

@@ -37,14 +37,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
-from dex_tasks import (
-    EffectClass,
-    Tool,
-    ToolContext,
-    ToolDefinitionError,
-    ToolPolicy,
-    define_tool,
-)
+from dex_tasks import EffectClass, Tool, ToolContext, ToolDefinitionError, ToolPolicy, define_tool
 
 try:
     from mcp import StdioServerParameters

@@ -51,6 +51,7 @@ from dex_tasks import (
     AsyncDexClient,
     CallStatus,
     DexError,
+    DexSettings,
     EffectClass,
     ForbiddenSessionError,
     InvalidArgumentError,
@@ -77,6 +78,7 @@ __all__ = [
     "TOOL_CALL_META",
     "TURN_META",
     "DexMCPServer",
+    "serve",
     "serve_http",
     "serve_stdio",
 ]
@@ -413,3 +415,23 @@ def serve_http(dex: DexMCPServer, secret: str, *, host: str = "127.0.0.1", port:
 def run_stdio(dex: DexMCPServer) -> None:
     """Serve over stdio (blocking), for the command line."""
     asyncio.run(serve_stdio(dex))
+
+
+def serve(settings: DexSettings, *, http: bool = False, host: str = "127.0.0.1",
+          port: int = 8765, session_id: str | None = None, approval_timeout: float = 60.0,
+          call_timeout: float = 120.0, page_url: str | None = None,
+          log_level: str = "warning") -> None:
+    """What ``dex-tasks mcp`` runs (registered as the ``mcp`` entry point of the
+    ``dex_tasks.servers`` group): the catalog over stdio, or over streamable HTTP behind the
+    API's signed tokens, until interrupted."""
+    secret = settings.signing_key() if http else None
+    client = AsyncDexClient(settings)
+    dex = DexMCPServer(client, session_id=session_id, approval_timeout=approval_timeout,
+                       call_timeout=call_timeout, page_url=page_url)
+    try:
+        if secret is not None:
+            serve_http(dex, secret, host=host, port=port, log_level=log_level)
+        else:
+            run_stdio(dex)
+    finally:
+        client.sync.close()

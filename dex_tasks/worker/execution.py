@@ -436,12 +436,18 @@ def run_retrying(task: Task, key: str) -> None:
     """Body of the retrying task kind."""
     rt = runtime(task.app)
     owner = current_owner(task.request.hostname)
+    _claim_and_run(task, rt, key, owner, retrying=True)
+
+
+def _claim_and_run(task: Task, rt: Runtime, key: str, owner: str, *, retrying: bool) -> None:
+    """Claim the call in the store, run its attempt, and tell Celery how it ended."""
     claimed = _claim(rt, key, owner)
     if not isinstance(claimed, tuple):
         _report_unclaimed(task, key, claimed)
         return
     call, tool, arguments = claimed
-    report(task, call, _attempt_retrying(rt, call, tool, arguments, owner, call.attempts))
+    report(task, call, _attempt(rt, call, tool, arguments, owner, call.attempts,
+                                retrying=retrying))
 
 
 def _report_unclaimed(task: Task, key: str, outcome: Outcome | None) -> None:
@@ -452,33 +458,26 @@ def _report_unclaimed(task: Task, key: str, outcome: Outcome | None) -> None:
     raise failure(outcome.status, outcome.error)
 
 
-def _attempt_retrying(rt: Runtime, call: ToolCallRow, tool: Any, arguments: dict[str, Any],
-                      owner: str, attempt: int) -> Outcome:
+def _attempt(rt: Runtime, call: ToolCallRow, tool: Any, arguments: dict[str, Any],
+             owner: str, attempt: int, *, retrying: bool) -> Outcome:
+    """Run the tool once and record how that attempt ended.
+
+    The two paths differ only in what a transient error and a soft time limit mean: the
+    retrying path may try again (:func:`_interrupted_retrying`); the single-attempt path never
+    does, so its transient error is a plain tool error and its time limit ends the call
+    ``outcome_unknown`` (:func:`_interrupted_once`).
+    """
     key = call.key
     try:
         value = tool(_context(call, attempt), **arguments)
     except OutcomeUnknownError as err:
         return _outcome_unknown(rt, key, owner, err)
     except (TransientToolError, SoftTimeLimitExceeded) as err:
-        message = _error_text(err) if isinstance(err, TransientToolError) else (
-            f"the tool hit its soft time limit of {call.time_limit}s"
-        )
-        decision = retry.after_transient_error(
-            EffectClass(call.effect), attempt, call.max_attempts, message,
-            base=rt.settings.retry_backoff_base_seconds,
-            cap=rt.settings.retry_backoff_max_seconds,
-            retry_after=getattr(err, "retry_after", None),
-        )
-        if decision.retry:
-            return _schedule_retry(rt, call, owner, attempt, decision.delay, message, err)
+        if retrying:
+            return _interrupted_retrying(rt, call, owner, attempt, err)
         if isinstance(err, SoftTimeLimitExceeded):
-            # Stopped part-way on its last attempt: a read has no effect to be unsure about,
-            # but an interrupted write may have taken effect, so it ends outcome_unknown.
-            lost = retry.after_worker_lost(EffectClass(call.effect), attempt,
-                                           call.max_attempts, message, key=key)
-            assert lost.status is not None
-            return _end(rt, key, owner, lost.status, lost.error, "attempts_exhausted")
-        return _end(rt, key, owner, CallStatus.FAILED, decision.error, "attempts_exhausted")
+            return _interrupted_once(rt, call, owner)
+        return _tool_error(rt, key, owner, err)
     except SystemExit as err:
         # The process is exiting (the worker is stopping it, or the tool called sys.exit):
         # that is a lost worker, which the main process records (DexRequest). In a pool
@@ -487,6 +486,43 @@ def _attempt_retrying(rt: Runtime, call: ToolCallRow, tool: Any, arguments: dict
     except BaseException as err:  # noqa: BLE001 - see _tool_error
         return _tool_error(rt, key, owner, err)
     return _succeed(rt, key, owner, value)
+
+
+def _interrupted_retrying(rt: Runtime, call: ToolCallRow, owner: str, attempt: int,
+                          err: TransientToolError | SoftTimeLimitExceeded) -> Outcome:
+    """A retrying call's transient error or soft time limit: retry while attempts are left."""
+    key = call.key
+    message = _error_text(err) if isinstance(err, TransientToolError) else (
+        f"the tool hit its soft time limit of {call.time_limit}s"
+    )
+    decision = retry.after_transient_error(
+        EffectClass(call.effect), attempt, call.max_attempts, message,
+        base=rt.settings.retry_backoff_base_seconds,
+        cap=rt.settings.retry_backoff_max_seconds,
+        retry_after=getattr(err, "retry_after", None),
+    )
+    if decision.retry:
+        return _schedule_retry(rt, call, owner, attempt, decision.delay, message, err)
+    if isinstance(err, SoftTimeLimitExceeded):
+        # Stopped part-way on its last attempt: a read has no effect to be unsure about,
+        # but an interrupted write may have taken effect, so it ends outcome_unknown.
+        lost = retry.after_worker_lost(EffectClass(call.effect), attempt,
+                                       call.max_attempts, message, key=key)
+        assert lost.status is not None
+        return _end(rt, key, owner, lost.status, lost.error, "attempts_exhausted")
+    return _end(rt, key, owner, CallStatus.FAILED, decision.error, "attempts_exhausted")
+
+
+def _interrupted_once(rt: Runtime, call: ToolCallRow, owner: str) -> Outcome:
+    """A single-attempt call stopped by its time limit: whatever it had done stays done, and we
+    cannot tell how much."""
+    status = handle_lost_attempt(
+        rt, call.key, owner, f"the tool was stopped by its time limit of {call.time_limit}s",
+        republish=False)
+    if status is None:
+        return Outcome(None, why=_SUPERSEDED)
+    ended = rt.store.get_call(call.key)
+    return Outcome(status, ended.error if ended else None)
 
 
 def _tool_error(rt: Runtime, key: str, owner: str, err: BaseException) -> Outcome:
@@ -546,35 +582,7 @@ def run_single_attempt(task: Task, key: str) -> None:
         log.info("claim taken, duplicate ignored", extra={"action": "duplicate_delivery",
                                                           "key": key})
         raise ignored(task, key, _DUPLICATE)
-    claimed = _claim(rt, key, owner)
-    if not isinstance(claimed, tuple):
-        _report_unclaimed(task, key, claimed)
-        return
-    call, tool, arguments = claimed
-    report(task, call, _attempt_once(rt, call, tool, arguments, owner, call.attempts))
-
-
-def _attempt_once(rt: Runtime, call: ToolCallRow, tool: Any, arguments: dict[str, Any],
-                  owner: str, attempt: int) -> Outcome:
-    key = call.key
-    try:
-        value = tool(_context(call, attempt), **arguments)
-    except OutcomeUnknownError as err:
-        return _outcome_unknown(rt, key, owner, err)
-    except SoftTimeLimitExceeded:
-        # Interrupted part-way: whatever it had done stays done, and we cannot tell how much.
-        status = handle_lost_attempt(
-            rt, key, owner, f"the tool was stopped by its time limit of {call.time_limit}s",
-            republish=False)
-        if status is None:
-            return Outcome(None, why=_SUPERSEDED)
-        ended = rt.store.get_call(key)
-        return Outcome(status, ended.error if ended else None)
-    except SystemExit as err:
-        return _exited_in_thread(rt, call, owner, err)  # a lost worker: see _attempt_retrying
-    except BaseException as err:  # noqa: BLE001 - see _tool_error
-        return _tool_error(rt, key, owner, err)
-    return _succeed(rt, key, owner, value)
+    _claim_and_run(task, rt, key, owner, retrying=False)
 
 
 def _exited_in_thread(rt: Runtime, call: ToolCallRow, owner: str, err: SystemExit) -> Outcome:
