@@ -165,6 +165,13 @@ class DexCrewTool(BaseTool):
                     f"{self.timeout:g}s; it will not run twice")
         return observation(record)
 
+    def to_structured_tool(self) -> Any:
+        # CrewAI 1.6 builds the tool it runs without the cache_function (so it caches every
+        # result): "awaits approval" would be served again for the same input.
+        structured = super().to_structured_tool()
+        setattr(structured, "cache_function", self.cache_function)  # noqa: B010
+        return structured
+
     def _wait(self, record: ToolCallRecord, timeout: float) -> ToolCallRecord:
         if record.terminal:
             return record
