@@ -55,17 +55,15 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-try:
+from dex_tasks.integrations.extras import needs_extra
+
+with needs_extra("crewai", "dex_tasks.integrations.crewai"):
     from crewai import BaseLLM
     from crewai.agents.parser import AgentFinish, OutputParserError, parse
     from crewai.hooks import register_after_tool_call_hook, register_before_tool_call_hook
     from crewai.hooks.tool_hooks import ToolCallHookContext
     from crewai.tools import BaseTool
     from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, create_model
-except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        'dex_tasks.integrations.crewai needs the crewai extra: pip install "dex-tasks[crewai]"'
-    ) from err
 
 from dex_tasks import (
     CallStatus,

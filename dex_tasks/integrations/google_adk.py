@@ -47,16 +47,13 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-try:
+from dex_tasks.integrations.extras import needs_extra
+
+with needs_extra("google-adk", "dex_tasks.integrations.google_adk"):
     from google.adk.sessions import Session
     from google.adk.tools.base_tool import BaseTool
     from google.adk.tools.tool_context import ToolContext
     from google.genai import types
-except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        'dex_tasks.integrations.google_adk needs the google-adk extra: '
-        'pip install "dex-tasks[google-adk]"'
-    ) from err
 
 from dex_tasks import (
     AsyncDexClient,

@@ -51,7 +51,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterat
 from dataclasses import dataclass
 from typing import Any, cast
 
-try:
+from dex_tasks.integrations.extras import needs_extra
+
+with needs_extra("langchain", "dex_tasks.integrations.langchain"):
     from langchain.agents.middleware import AgentMiddleware, AgentState, ToolCallRequest
     from langchain_core.callbacks.manager import AsyncCallbackManager, CallbackManager
     from langchain_core.messages import AIMessage, ToolCall, ToolMessage
@@ -70,11 +72,6 @@ try:
     from langgraph.checkpoint.serde.base import SerializerProtocol
     from langgraph.prebuilt import ToolRuntime
     from langgraph.types import Command, StateSnapshot, interrupt
-except ImportError as err:  # pragma: no cover - exercised by a subprocess test
-    raise ImportError(
-        'dex_tasks.integrations.langchain needs the langchain extra: '
-        'pip install "dex-tasks[langchain]"'
-    ) from err
 
 from dex_tasks import (
     AsyncDexClient,

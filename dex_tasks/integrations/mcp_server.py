@@ -62,16 +62,13 @@ from dex_tasks import (
     read_token,
     tool_message_text,
 )
+from dex_tasks.integrations.extras import needs_extra
 
-try:
+with needs_extra("mcp", "dex_tasks.integrations.mcp_server"):
     import mcp.types as types
     from mcp.server.lowlevel import Server
     from mcp.server.stdio import stdio_server
     from mcp.shared.exceptions import MCPError
-except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        'dex_tasks.integrations.mcp_server needs the mcp extra: pip install "dex-tasks[mcp]"'
-    ) from err
 
 __all__ = [
     "AWAITING_APPROVAL",

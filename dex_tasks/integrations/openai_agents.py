@@ -63,13 +63,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Mutable
 from contextvars import ContextVar
 from typing import Any
 
-try:
+from dex_tasks.integrations.extras import needs_extra
+
+with needs_extra("openai-agents", "dex_tasks.integrations.openai_agents"):
     import agents  # noqa: F401 - only to tell a missing extra from other import errors
-except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        'dex_tasks.integrations.openai_agents needs the openai-agents extra: '
-        'pip install "dex-tasks[openai-agents]"'
-    ) from err
 from agents import (
     Agent,
     AgentsException,

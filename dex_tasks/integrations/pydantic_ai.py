@@ -104,7 +104,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-try:
+from dex_tasks.integrations.extras import needs_extra
+
+with needs_extra("pydantic-ai", "dex_tasks.integrations.pydantic_ai"):
     from pydantic_ai import (
         ApprovalRequired,
         CallDeferred,
@@ -127,11 +129,6 @@ try:
     from pydantic_ai.models import ModelRequestContext
     from pydantic_ai.run import AgentRunResult
     from pydantic_ai.toolsets import AbstractToolset, ToolsetTool, WrapperToolset
-except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        'dex_tasks.integrations.pydantic_ai needs the pydantic-ai extra: '
-        'pip install "dex-tasks[pydantic-ai]"'
-    ) from err
 
 from pydantic_core import SchemaValidator, core_schema, to_jsonable_python
 
