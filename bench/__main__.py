@@ -237,6 +237,31 @@ def profile_(
          out_dir=_out(out))
 
 
+@app.command(name="approval-rules")
+def approval_rules(
+    n: int = typer.Option(20_000, "--n", min=1, help="Rule checks per round (5 rounds)."),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """The cost of a rule on the arguments per call, in µs (pure CPU)."""
+    from bench.approval_rules import run_approval_rules
+
+    _run(run_approval_rules, n=n, out_dir=_out(out), console=console)
+
+
+@app.command(name="webhooks")
+def webhooks(
+    calls: int = typer.Option(100, "--calls", min=1, help="Calls, one webhook each."),
+    store: str = typer.Option("both", "--store", help=STORE_HELP),
+    postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """Webhook delivery latency, from the event's commit to the receiver: p50/p99/max."""
+    from bench.webhook_latency import run_webhook_latency
+
+    _run(run_webhook_latency, calls=calls, stores=_stores(store, postgres_url),
+         postgres_url=postgres_admin_url(postgres_url), out_dir=_out(out), console=console)
+
+
 @app.command(name="all")
 def all_(
     quick: bool = typer.Option(False, "--quick",
@@ -247,6 +272,7 @@ def all_(
     out: str | None = typer.Option(None, "--out", help=OUT_HELP),
 ) -> None:
     """Every benchmark in turn (what ``make bench`` runs), then every target in one table."""
+    from bench.approval_rules import run_approval_rules
     from bench.batch import run_batch
     from bench.driver import run_driver
     from bench.io_bound import run_io
@@ -257,6 +283,7 @@ def all_(
     from bench.sweep_scale import DEFAULT_JOBS, parse_scales, run_sweeps
     from bench.targets import print_targets
     from bench.throughput import run_throughput
+    from bench.webhook_latency import run_webhook_latency
 
     stores = _stores(store, postgres_url)
     pg = postgres_admin_url(postgres_url)
@@ -280,6 +307,8 @@ def all_(
                        overdue=1000, repeats=3, jobs=list(DEFAULT_JOBS), **common),
             run_memory(calls=10_000 if quick else 100_000, warmup=2000, batch=500,
                        store=stores[0], postgres_url=pg, out_dir=_out(out), console=console),
+            run_approval_rules(n=2000 if quick else 20_000, out_dir=_out(out), console=console),
+            run_webhook_latency(calls=20 if quick else 100, **common),
         ]
     except BenchError as err:
         console.print(f"[red]benchmark failed:[/red] {err}")

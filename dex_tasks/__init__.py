@@ -59,6 +59,7 @@ if TYPE_CHECKING:
         Turn,
         TurnStep,
     )
+    from dex_tasks.store.transcript import tool_message_text
     from dex_tasks.tokens import TokenClaims, issue_token, read_token, verify_token
     from dex_tasks.webhooks import WebhookSignatureError, verify_webhook
 _LAZY: dict[str, str] = {
@@ -115,6 +116,7 @@ _LAZY: dict[str, str] = {
     "ToolCallRecord": "dex_tasks.store.records",
     "Turn": "dex_tasks.store.records",
     "TurnStep": "dex_tasks.store.records",
+    "tool_message_text": "dex_tasks.store.transcript",
     "TokenClaims": "dex_tasks.tokens",
     "issue_token": "dex_tasks.tokens",
     "key_part": "dex_tasks.agent.calls",
@@ -179,6 +181,7 @@ __all__ = [
     "report_unknown_outcomes",
     "report_unknown_outcomes_sync",
     "tool",
+    "tool_message_text",
     "verify_token",
     "verify_webhook",
     "when",

@@ -101,3 +101,19 @@ def within_viewport_width(page: Any, locator: Any) -> bool:
     box = locator.bounding_box()
     return box is not None and box["x"] >= 0 and \
         box["x"] + box["width"] <= page.viewport_size["width"]
+
+
+@contextmanager
+def chromium_page(playwright: ModuleType, url: str, *, width: int = 1280,
+                  height: int = 900) -> Iterator[tuple[Any, list[str]]]:
+    """Headless Chromium open on ``url``: the page, and the list its script errors go to."""
+    with playwright.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            errors: list[str] = []
+            page.on("pageerror", lambda err: errors.append(str(err)))
+            page.goto(url)
+            yield page, errors
+        finally:
+            browser.close()

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +28,7 @@ import pytest
 
 from dex_tasks import OUTCOME_UNKNOWN_TOOL_RESULT, CallStatus, DexClient
 from dex_tasks.broker.celery_app import publish
+from dex_tasks.errors import CallOutcomeUnknown
 from tests.conftest import StartWorker
 from tests.helpers import ROOT, free_port, start_process, started_pid, wait_until
 
@@ -211,6 +214,35 @@ def test_events_and_flower_show_the_true_state_of_each_call(
     log = worker.log()
     assert "Traceback" not in log, log[-3000:]
     assert "raised expected: CallFailed(\"ValueError: report 'q3' does not exist\")" in log
+
+
+def test_flower_shows_the_outcome_unknown_error_for_a_child_killed_mid_call(
+    client: DexClient, start_worker: StartWorker, monitors: tuple[Path, int],
+    ledger_path: Path,
+) -> None:
+    dump_path, port = monitors
+    # Given a worker sending task events, and Flower following it
+    worker = start_worker(concurrency=1, events=True)
+    node = wait_until(lambda: re.search(r"^(dex-\d+@\S+) \[.*\] heartbeat",
+                                        dump_path.read_text(), re.M), 30,
+                      "the event dump to see the worker's heartbeat")[1]
+    wait_until(lambda: _flower_alive(port, node), 30, "Flower to see the worker")
+    # When the child running a single-attempt charge is SIGKILLed mid-call
+    key = _call(client, "killed", "charge_card", customer_id="cu_1", amount_cents=5, sleep=60)
+    os.kill(started_pid(ledger_path, key), signal.SIGKILL)
+    record = client.wait(key, timeout=30)
+    assert record.status is CallStatus.OUTCOME_UNKNOWN
+    # Then Flower shows the call's own outcome-unknown error, not Celery's wrapper
+    task = wait_until(lambda: (t := _flower_tasks(port).get(key)) and t.get("state") == "FAILURE"
+                      and t, 30, "Flower to see the killed call fail")
+    assert task["exception"] == repr(CallOutcomeUnknown(record.error or "")), task["exception"]
+    assert "ExceptionWithTraceback" not in task["exception"]
+    assert "the worker process running the tool was lost" in task["exception"]
+    # And so does the event dump
+    failed = next(e for e in _dumped_events(dump_path.read_text())
+                  if e.key == key and e.type == "failed")
+    assert "exception=CallOutcomeUnknown(" in failed.rest, failed.rest
+    assert worker.proc.poll() is None  # the worker itself lives on
 
 
 def _flower_alive(port: int, node: str) -> bool:

@@ -71,6 +71,7 @@ def sweepers(env: dict[str, str], tmp_path: Path) -> Iterator[Callable[..., Swee
         sweeper.stop()
 
 
+@pytest.mark.long  # make chaos; in make test: the worker ten seconds behind, below
 def test_a_sweeper_ten_seconds_ahead_reaps_no_live_call(
     client: DexClient, start_worker: StartWorker, ledger_path: Path,
     sweepers: Callable[..., Sweeper],

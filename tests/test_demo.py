@@ -92,7 +92,10 @@ def test_demo_reaches_every_announced_outcome_and_leaves_nothing_behind(marker: 
     unknown = [i for i, ln in enumerate(lines)
                if ln[2:5] == ["charge_card", "outcome_unknown:", "OUTCOME_UNKNOWN_TOOL_RESULT:"]]
     assert len(unknown) == 1, transcript
-    assert lines[unknown[0] + 1][:2] == ["user", "(delivered)"], transcript
+    # (after it, not always next: the expiring refund's message may land in between when the
+    # deadline sweep runs late on a busy machine)
+    reports = [i for i, ln in enumerate(lines) if ln[:2] == ["user", "(delivered)"]]
+    assert len(reports) == 1 and reports[0] > unknown[0], transcript
     # And nothing it started is left: no process, no temporary folder
     wait_until(lambda: not marked_pids(marker), 10, "the demo's processes to be gone")
     workdir = re.search(r"log (\S+)/worker\.log", out)

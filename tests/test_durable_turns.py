@@ -71,6 +71,7 @@ def tool_starts(ledger_path: Path) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.long  # make chaos; in make test: the short chain below
 @pytest.mark.parametrize("framework", sorted(AGENTS))
 @pytest.mark.timeout(300)  # six agent processes importing their framework: slow on a busy machine
 def test_an_agent_killed_at_every_point_of_a_turn_starts_each_tool_once_and_asks_each_decision_once(
@@ -129,3 +130,30 @@ def test_an_agent_killed_at_every_point_of_a_turn_starts_each_tool_once_and_asks
     if framework == "openai":  # the turn ended with the model's answer
         assert client.open_turn(SESSION) is None
         assert snapshot.messages[-1].text == "Charged and refunded."
+
+
+@pytest.mark.parametrize("framework", sorted(AGENTS))
+@pytest.mark.timeout(240)
+def test_an_agent_killed_while_its_charge_runs_never_starts_it_again(
+    framework: str, client: DexClient, start_worker: StartWorker, env: dict[str, str],
+    ledger_path: Path, tmp_path: Path,
+) -> None:
+    # make test's part of the chain above: points 3 and 4 only
+    start_worker(concurrency=2)
+    env = {**env, "DEX_TEST_AGENT": AGENTS[framework]}
+    log = tmp_path / "model.jsonl"
+    # Given an agent killed while its charge runs on the worker
+    agent = Agent(env, log)
+    wait_until(lambda: tool_starts(ledger_path).get("charge_card") == 1, 60, "the charge")
+    agent.kill()
+    # When it is started again, the plain way, and reaches its refund (which awaits a person)
+    agent = Agent(env, log)
+    wait_until(lambda: client.get_agent_snapshot(SESSION).pending_interrupts, 60,
+               "the refund to await approval")
+    agent.kill()
+    # Then the charge was awaited, not started again, and the model decided each step once
+    (charge, refund) = client.get_agent_snapshot(SESSION).tool_calls
+    assert client.get_tool_call(charge.key).status is CallStatus.SUCCEEDED
+    assert refund.status is CallStatus.AWAITING_APPROVAL
+    assert tool_starts(ledger_path) == {"charge_card": 1}
+    assert answers(log) == {0: 1, 1: 1}

@@ -39,6 +39,7 @@ from dex_tasks import (
 from dex_tasks.integrations.langchain import (
     DEX_APPROVAL,
     DexMiddleware,
+    apply_decisions,
     dex_tools,
     key_part,
     resume_command,
@@ -208,6 +209,52 @@ def test_a_rejection_reaches_the_model_and_a_premature_or_forged_resume_approves
     assert rejected.startswith(APPROVAL_REJECTED)
     assert "bob" in rejected and "refunds over $100 need a manager" in rejected
     assert ledger.executions(ledger_path) == {done["keys"]["call_a"]: 1}
+
+
+def test_langchains_own_edit_and_reject_decisions_are_recorded_in_dex_and_resume_the_graph(
+    client: DexClient, start_worker: StartWorker, ledger_path: Path
+) -> None:
+    start_worker()
+    model = ScriptedChatModel(messages=iter([
+        ai(("refund_payment", {"charge_id": "ch_1", "amount_cents": 50000}, "call_a"),
+           ("refund_payment", {"charge_id": "ch_2", "amount_cents": 700}, "call_b")),
+        AIMessage("Done."),
+    ]))
+    agent = create_agent(model, tools=dex_tools(client), middleware=[DexMiddleware(client)],
+                         checkpointer=InMemorySaver())
+    config = config_of("th-hitl")
+    # Given a graph paused on two dex approvals
+    paused = agent.invoke({"messages": [("user", "refund both")]}, config)
+    keys = {i.value["tool_call_id"]: i.value["key"] for i in paused["__interrupt__"]}
+    state = agent.get_state(config)
+    order = [i.value["tool_call_id"] for i in state.interrupts]
+    edit = {"type": "edit", "edited_action": {"name": "refund_payment",
+                                              "args": {"charge_id": "ch_1",
+                                                       "amount_cents": 9000}}}
+    reject = {"type": "reject", "message": "ch_2 was refunded by phone"}
+    # When a decision is malformed, then nothing is recorded
+    with pytest.raises(InvalidArgumentError, match="respond"):
+        apply_decisions(client, state, [edit, {"type": "respond", "message": "x"}])
+    with pytest.raises(InvalidArgumentError, match="not the tool"):
+        apply_decisions(client, state, [{**edit, "edited_action": {"name": "charge_card",
+                                                                    "args": {}}}, reject])
+    assert {client.get_tool_call(k).status for k in keys.values()} == {
+        CallStatus.AWAITING_APPROVAL}
+    # When the person's LangChain decisions (edit one, reject the other) are applied
+    by_call = {"call_a": edit, "call_b": reject}
+    done = agent.invoke(apply_decisions(client, state, [by_call[c] for c in order],
+                                        approver="alice"), config)
+    # Then the edited refund ran once, with the edited amount, and the model read both
+    assert "__interrupt__" not in done
+    assert ledger.executions(ledger_path) == {keys["call_a"]: 1}
+    edited = client.get_tool_call(keys["call_a"])
+    assert edited.arguments == {"charge_id": "ch_1", "amount_cents": 9000}
+    assert edited.original_arguments == {"charge_id": "ch_1", "amount_cents": 50000}
+    read = {m.tool_call_id: str(m.content) for m in model.received[-1]
+            if isinstance(m, ToolMessage)}
+    assert "9000" in read["call_a"] and "50000" in read["call_a"]  # the edit note
+    assert read["call_b"].startswith(APPROVAL_REJECTED)
+    assert "ch_2 was refunded by phone" in read["call_b"]
 
 
 class CountingMiddleware(DexMiddleware):

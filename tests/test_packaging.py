@@ -3,7 +3,9 @@ imports nothing heavy until a name is used."""
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -31,11 +33,19 @@ def test_the_wheel_installs_only_dex_tasks_with_its_metadata(tmp_path: Path) -> 
     # Then nothing but the package and its metadata: no top-level workers or beat_schedule
     assert {n.split("/")[0] for n in names} == {"dex_tasks", "dex_tasks-0.1.0.dist-info"}
     assert {"dex_tasks/py.typed", "dex_tasks/examples/tools.py",
-            "dex_tasks/examples/ledger.py", "dex_tasks/worker/schedule.py"} <= set(names)
+            "dex_tasks/examples/ledger.py", "dex_tasks/worker/schedule.py",
+            "dex_tasks/api/templates/base.html",
+            "dex_tasks/api/templates/session.html"} <= set(names)
     meta = Parser().parsestr(wheel.read("dex_tasks-0.1.0.dist-info/METADATA").decode())
     assert meta["Requires-Python"] == ">=3.11"
     assert "Typing :: Typed" in meta.get_all("Classifier")
-    assert any(u.startswith("Documentation, ") for u in meta.get_all("Project-URL"))
+    # No link to a page the project does not have: the package's URLs and the docs site's
+    # repository link are set together, once the repository is public (none is, today)
+    urls = meta.get_all("Project-URL") or []
+    repo_url = re.search(r"^repo_url: *(\S+)", (ROOT / "mkdocs.yml").read_text(), re.M)
+    assert bool(urls) == bool(repo_url), (urls, repo_url)
+    if repo_url:
+        assert f"Source, {repo_url[1]}" in urls, urls
     assert {"postgres", "embedded"} <= set(meta.get_all("Provides-Extra"))
     # The CLI finds `dex-tasks mcp`'s server by its entry point, never by importing it
     points = wheel.read("dex_tasks-0.1.0.dist-info/entry_points.txt").decode()
@@ -55,11 +65,50 @@ def test_importing_the_package_imports_nothing_heavy_until_a_name_is_used() -> N
     # A tool module needs @tool only: no broker, store or schema validator
     tools = _modules_after("from dex_tasks import ToolContext, tool, TransientToolError")
     assert heavy & tools == set()
-    # An agent process gets its client without the worker side or the API
+    # An agent process gets its client class without Celery, the store, the worker side or
+    # the API: they are imported when the first client is built
     agent = _modules_after("from dex_tasks import DexClient")
-    assert {"celery", "sqlalchemy"} <= agent
+    assert heavy & agent == set()
     assert not {m for m in agent if m.startswith(("dex_tasks.worker", "dex_tasks.api",
-                                                    "fastapi"))}
+                                                    "dex_tasks.store", "dex_tasks.broker"))}
+    built = _modules_after("from dex_tasks import DexClient\n"
+                           "DexClient.__init__  # the class is whole before any client exists\n"
+                           "from dex_tasks.agent import client\n"
+                           "client.Store, client.publish  # stand-ins: still nothing imported")
+    assert heavy & built == set()
+
+
+def test_each_deferred_import_binds_what_its_type_checking_block_imports() -> None:
+    # Given the modules that defer imports (dex_tasks.lazy): the real import statements under
+    # `if TYPE_CHECKING:` are what mypy and the layout checks read; the Deferred group is what
+    # runs. They must name the same things, and loading gives the real objects.
+    import importlib
+
+    deferring = {p for p in (ROOT / "dex_tasks").rglob("*.py")
+                 if "_deferred = Deferred(globals())" in p.read_text(encoding="utf-8")
+                 and p.name != "lazy.py"}
+    assert {p.relative_to(ROOT).as_posix() for p in deferring} >= {
+        "dex_tasks/agent/client.py", "dex_tasks/agent/calls.py"}
+    for path in deferring:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        checked: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+                for statement in node.body:
+                    assert isinstance(statement, ast.ImportFrom) and statement.module
+                    for alias in statement.names:
+                        checked[alias.asname or alias.name] = statement.module
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        module = importlib.import_module(name)
+        group = module._deferred
+        # Names only in annotations need no stand-in; every stand-in mirrors an import
+        assert group.names.items() <= checked.items(), (name, group.names, checked)
+        group.load()
+        for deferred, source in group.names.items():
+            real = importlib.import_module(source)
+            expected = getattr(real, deferred, None) or importlib.import_module(
+                f"{source}.{deferred}")
+            assert getattr(module, deferred) is expected, (name, deferred)
 
 
 def test_every_public_name_resolves() -> None:

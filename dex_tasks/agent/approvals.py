@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import and_, insert, or_, select, update
+from sqlalchemy import and_, delete, insert, or_, select, update
 from sqlalchemy.engine import Connection, CursorResult
 
 from dex_tasks.agent.calls import checked_arguments
@@ -62,7 +62,7 @@ from dex_tasks.store.records import (
 )
 from dex_tasks.store.sqljson import same_json
 from dex_tasks.store.tables import INSERT_EVENT
-from dex_tasks.store.transcript import session_messages
+from dex_tasks.store.transcript import session_messages, with_edit_notes
 
 log = logging.getLogger("dex_tasks.agent.approvals")
 
@@ -83,7 +83,7 @@ APPROVAL_COUNTED = "tool_call_approval_counted"
 
 class InvalidEditError(InvalidArgumentError):
     """Edited arguments a tool refuses (the message names the field), or an edit where none
-    may be made (when rejecting, on a call that needs several approvals). Nothing changed."""
+    may be made (when rejecting). Nothing changed."""
 
 
 class ApproverPermissionError(ForbiddenSessionError):
@@ -129,7 +129,11 @@ def resolve_interrupt(
     Several approvers (``ToolPolicy(approvals=N, approver_permission=...)``): each approval
     needs a named ``approver`` whose ``permissions`` hold the policy's permission
     (:class:`ApproverPermissionError` otherwise, nothing changed); the N-th distinct approver
-    decides; the first rejection decides at once.
+    of the call's current arguments decides; the first rejection decides at once. An approval
+    whose ``arguments`` differ from the current ones is an edit: the edited version needs N
+    approvals of its own, the editor's the first (the earlier ones stay in the audit, event
+    ``tool_call_arguments_edited``, and no longer count). ``arguments`` equal to the current
+    ones approve exactly that version: a safe way to approve what one saw.
     """
     check_id("session_id", session_id, SESSION_ID_MAX)
     check_id("interrupt_id", interrupt_id, INTERRUPT_ID_MAX)
@@ -180,14 +184,19 @@ def resolve_interrupt(
                     f"which {approver or 'this approver'}'s token does not hold")
             # Only a policy of several approvals has approval rows to read.
             approvers = _approvers(conn, interrupt_id) if required > 1 else []
+            # The call's edit so far, for the deciding event (several approvals: an edit is
+            # written when made, before the decision).
+            audit: dict[str, Any] = {}
             if approved and required > 1:
                 if approver is None:
                     raise InvalidArgumentError(
                         f"approver is required: this call needs {required} approvals from "
                         "distinct, named approvers")
                 if edited is not None:
-                    raise InvalidEditError("arguments cannot be edited on a call that needs "
-                                           "several approvals")
+                    if _edit_restarts(store, conn, key, session_id, interrupt_id, edited,
+                                      approver, approvers, required, now):
+                        approvers = []
+                    edited = None
                 if approver in approvers:
                     return False
                 conn.execute(insert(APPROVALS).values(interrupt_id=interrupt_id,
@@ -201,9 +210,10 @@ def resolve_interrupt(
                         "interrupt_id": interrupt_id, "approver": approver,
                         "approvals": len(approvers), "required": required})
                     return True
+                audit = _edit_so_far(conn, key)
             values: dict[str, Any] = {"published_at": now}
             detail: dict[str, Any] = {"reason": decision, "interrupt_id": interrupt_id,
-                                      "approver": approver}
+                                      "approver": approver, **audit}
             if approvers:
                 detail["approvers"] = approvers
             if edited is not None:
@@ -273,6 +283,64 @@ def _count_approval(store: Store, conn: Connection, key: str, session_id: str,
         "created_at": now})
 
 
+APPROVAL_EDITED = "tool_call_arguments_edited"
+"""The event of an edit on a call that needs several approvals: the edited version waits for
+its own approvals (the status stays); the event names the editor and the approvals the
+previous version had, which no longer count."""
+
+
+def _edit_restarts(store: Store, conn: Connection, key: str, session_id: str,
+                   interrupt_id: str, edited: str, approver: str, approvers: list[str],
+                   required: int, now: float) -> bool:
+    """An approval with arguments of a call that needs several approvals, under the
+    interrupt's lock. Arguments equal to the call's current ones approve that version (False:
+    nothing restarted). Other arguments are an edit (True): checked against the tool's schema,
+    written to the call, which keeps waiting, and the approval count starts again on the
+    edited version, with the editor's approval its first. No one's approval counts for a
+    version they did not approve; the event keeps the ones that no longer count."""
+    row = conn.execute(select(CALLS.c.tool, CALLS.c.arguments, CALLS.c.original_arguments)
+                       .where(CALLS.c.key == key)).first()
+    if row is None or same_json(row.arguments, edited):
+        return False
+    new = json.loads(edited)
+    _check_edit(store, row.tool, new)
+    asked = row.original_arguments or row.arguments  # the model's arguments
+    moved = conn.execute(
+        update(CALLS).where(CALLS.c.key == key,
+                            CALLS.c.status == CallStatus.AWAITING_APPROVAL.value)
+        .values(arguments=edited, updated_at=now,
+                original_arguments=None if same_json(asked, edited) else asked))
+    if moved.rowcount != 1:
+        raise _CallNotAwaiting(key)
+    conn.execute(delete(APPROVALS).where(APPROVALS.c.interrupt_id == interrupt_id))
+    conn.execute(update(INTERRUPTS).where(INTERRUPTS.c.interrupt_id == interrupt_id)
+                 .values(approvals_given=0))
+    before = json.loads(row.arguments)
+    conn.execute(INSERT_EVENT, {
+        "session_id": session_id, "key": key, "event": APPROVAL_EDITED,
+        "from_status": CallStatus.AWAITING_APPROVAL.value,
+        "to_status": CallStatus.AWAITING_APPROVAL.value,
+        "detail": json.dumps({"interrupt_id": interrupt_id, "approver": approver,
+                              "previous_arguments": before, "arguments": new,
+                              "edit": edit_note(before, new), "superseded": approvers,
+                              "required": required}),
+        "created_at": now})
+    log.info("arguments edited; approvals start again", extra={
+        "action": "interrupt_arguments_edited", "key": key, "interrupt_id": interrupt_id,
+        "approver": approver, "superseded": len(approvers)})
+    return True
+
+
+def _edit_so_far(conn: Connection, key: str) -> dict[str, Any]:
+    """The audit fields of a call's edit made before its deciding approval, if any."""
+    row = conn.execute(select(CALLS.c.arguments, CALLS.c.original_arguments)
+                       .where(CALLS.c.key == key)).first()
+    if row is None or row.original_arguments is None:
+        return {}
+    before, after = json.loads(row.original_arguments), json.loads(row.arguments)
+    return {"original_arguments": before, "arguments": after, "edit": edit_note(before, after)}
+
+
 def _check_edit(store: Store, tool: str, arguments: dict[str, Any]) -> None:
     """:class:`InvalidEditError` naming the fields the tool's schema refuses."""
     try:
@@ -326,12 +394,16 @@ def _pending(interrupt: Mapping[str, Any], call: Mapping[str, Any],
         approvals_required=interrupt.get("approvals_required") or 1,
         approved_by=approvers.get(interrupt["interrupt_id"], []),
         approver_permission=interrupt.get("approver_permission"),
+        original_arguments=_json_or_none(call.get("original_arguments")),
     )
+
+
+def _json_or_none(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
 
 
 def _decided(interrupt: Mapping[str, Any], call: Mapping[str, Any],
              approvers: Mapping[str, list[str]]) -> Decision:
-    original = call.get("original_arguments")
     return Decision(
         interrupt_id=interrupt["interrupt_id"], key=call["key"], tool=call["tool"],
         arguments=json.loads(call["arguments"]), effect=EffectClass(call["effect"]),
@@ -339,7 +411,7 @@ def _decided(interrupt: Mapping[str, Any], call: Mapping[str, Any],
         decided_at=_dt(interrupt["decided_at"]), reason=interrupt["reason"],
         deadline=_dt(interrupt["deadline_at"]), call_status=CallStatus(call["status"]),
         approved_by=approvers.get(interrupt["interrupt_id"], []),
-        original_arguments=None if original is None else json.loads(original),
+        original_arguments=_json_or_none(call.get("original_arguments")),
     )
 
 
@@ -403,7 +475,8 @@ def _messages(conn: Connection, session_id: str,
         query = (query.where(MESSAGES.c.id < window.messages_before)
                  .order_by(MESSAGES.c.id.desc()).limit(window.limit))
         rows = list(conn.execute(query).mappings())[::-1]
-    return [SessionMessage.from_row(dict(row)) for row in rows]
+    return with_edit_notes(conn, session_id, [SessionMessage.from_row(dict(row))
+                                              for row in rows])
 
 
 def session_snapshot(store: Store, session_id: str, now: float | None = None,
@@ -462,7 +535,8 @@ def list_pending(
     """Pending approvals (of one session, or of all), oldest first."""
     now = time.time() if now is None else now
     query = (
-        select(INTERRUPTS, CALLS.c.tool, CALLS.c.arguments, CALLS.c.effect)
+        select(INTERRUPTS, CALLS.c.tool, CALLS.c.arguments, CALLS.c.effect,
+               CALLS.c.original_arguments)
         .join(CALLS, CALLS.c.key == INTERRUPTS.c.key)
         .where(INTERRUPTS.c.decision.is_(None),
                or_(INTERRUPTS.c.deadline_at.is_(None), INTERRUPTS.c.deadline_at > now))

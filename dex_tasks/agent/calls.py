@@ -13,11 +13,12 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from dex_tasks.errors import ConflictError, InvalidCallError
+from dex_tasks.lazy import Deferred
 from dex_tasks.limits import (
     KEY_MAX,
     SESSION_ID_MAX,
@@ -29,9 +30,16 @@ from dex_tasks.limits import (
 from dex_tasks.policy import EffectClass, ToolPolicy, parse_effect, resolve_policy
 from dex_tasks.registry import InvalidArguments, canonical_json
 from dex_tasks.states import CallStatus
-from dex_tasks.store.catalog import ToolInfo
-from dex_tasks.store.records import ToolCallRecord
-from dex_tasks.store.sqljson import same_json
+
+# The store's modules import SQLAlchemy: deferred to the first call (dex_tasks.lazy).
+if TYPE_CHECKING:
+    from dex_tasks.store.catalog import ToolInfo
+    from dex_tasks.store.records import ToolCallRecord
+    from dex_tasks.store.sqljson import same_json
+else:
+    _deferred = Deferred(globals())
+    ToolCallRecord = _deferred("dex_tasks.store.records", "ToolCallRecord")
+    same_json = _deferred("dex_tasks.store.sqljson", "same_json")
 
 
 def idempotency_key(session_id: str, turn_id: str, tool_call_id: str) -> str:
@@ -259,9 +267,12 @@ def same_call(existing: Any, tool: str, args_json: str, options: Mapping[str, An
     if existing.tool != tool:
         raise ConflictError(existing.key, "tool")
     # By value: PostgreSQL's jsonb hands back its own spelling of the stored arguments. A call
-    # approved with edited arguments is compared by the ones the model asked for.
-    asked = getattr(existing, "original_arguments", None) or existing.arguments
-    if not same_json(asked, args_json):
+    # approved with edited arguments is the same call asked with the model's arguments or with
+    # the edited ones (a framework that runs an approved call with its override, Pydantic AI's
+    # ToolApproved(override_args=...), asks with those).
+    asked = getattr(existing, "original_arguments", None)
+    if not same_json(existing.arguments, args_json) and (
+            asked is None or not same_json(asked, args_json)):
         raise ConflictError(existing.key, "arguments")
     if options is not None and stored_options is not None:
         for name in ("default_effect", "approval_deadline", "expires_in"):

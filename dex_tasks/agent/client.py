@@ -6,13 +6,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from celery import Celery
 from pydantic import ValidationError
-from sqlalchemy.engine import Connection
 
-from dex_tasks.agent import approvals, turns
 from dex_tasks.agent.calls import (
     NewCall,
     ToolCallRequest,
@@ -23,30 +20,56 @@ from dex_tasks.agent.calls import (
     request_options,
     same_call,
 )
-from dex_tasks.broker import notify, webhooks
-from dex_tasks.broker.celery_app import create_app, publish, publish_many
-from dex_tasks.broker.redis_clients import connector
 from dex_tasks.errors import (
     CallNotFoundError,
     InvalidCallError,
     StoreUnavailableError,
     UnknownToolError,
 )
+from dex_tasks.lazy import Deferred
 from dex_tasks.policy import EffectClass, seconds
-from dex_tasks.settings import DexSettings
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
-from dex_tasks.store import Store, catalog, journal, transcript
-from dex_tasks.store.calls import unsent
-from dex_tasks.store.catalog import ToolSpec
-from dex_tasks.store.checkpoints import Checkpoints
-from dex_tasks.store.models import ToolCallRow
-from dex_tasks.store.records import (
-    AgentSnapshot,
-    CallEvent,
-    SessionMessage,
-    ToolCallRecord,
-    Turn,
-)
+
+# Celery, SQLAlchemy and pydantic-settings are imported when the first client is built, not
+# with this module: ``from dex_tasks import DexClient`` stays cheap (dex_tasks.lazy says how).
+if TYPE_CHECKING:
+    from celery import Celery
+    from sqlalchemy.engine import Connection
+
+    from dex_tasks.agent import approvals, turns
+    from dex_tasks.broker import notify, webhooks
+    from dex_tasks.broker.celery_app import create_app, publish, publish_many
+    from dex_tasks.broker.redis_clients import connector
+    from dex_tasks.settings import DexSettings
+    from dex_tasks.store import Store, catalog, journal, transcript
+    from dex_tasks.store.calls import unsent
+    from dex_tasks.store.catalog import ToolSpec
+    from dex_tasks.store.checkpoints import Checkpoints
+    from dex_tasks.store.models import ToolCallRow
+    from dex_tasks.store.records import (
+        AgentSnapshot,
+        CallEvent,
+        SessionMessage,
+        ToolCallRecord,
+        Turn,
+    )
+else:
+    _deferred = Deferred(globals())
+    approvals, turns = _deferred("dex_tasks.agent", "approvals", "turns")
+    notify, webhooks = _deferred("dex_tasks.broker", "notify", "webhooks")
+    create_app, publish, publish_many = _deferred("dex_tasks.broker.celery_app", "create_app",
+                                                  "publish", "publish_many")
+    connector = _deferred("dex_tasks.broker.redis_clients", "connector")
+    DexSettings = _deferred("dex_tasks.settings", "DexSettings")
+    Store, catalog, journal, transcript = _deferred("dex_tasks.store", "Store", "catalog",
+                                                    "journal", "transcript")
+    unsent = _deferred("dex_tasks.store.calls", "unsent")
+    ToolSpec = _deferred("dex_tasks.store.catalog", "ToolSpec")
+    Checkpoints = _deferred("dex_tasks.store.checkpoints", "Checkpoints")
+    ToolCallRow = _deferred("dex_tasks.store.models", "ToolCallRow")
+    AgentSnapshot, CallEvent, SessionMessage, ToolCallRecord, Turn = _deferred(
+        "dex_tasks.store.records", "AgentSnapshot", "CallEvent", "SessionMessage",
+        "ToolCallRecord", "Turn")
 
 # Columns a new call's row leaves at their defaults (see calls.new_call).
 _UNSET_COLUMNS: dict[str, Any] = {

@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import redis
 from fastapi import (
@@ -42,16 +42,11 @@ from fastapi import (
     Security,
 )
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import (
-    HTMLResponse,
-    JSONResponse,
-    RedirectResponse,
-    Response,
-    StreamingResponse,
-)
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy import text
+from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -76,9 +71,9 @@ from dex_tasks.api.events import (
     MAX_CURSOR,
     StreamHub,
     StreamLimitError,
+    event_response,
     event_stream,
     latest_event_id,
-    parse_cursor,
 )
 from dex_tasks.api.inbox import DEFAULT_LIMIT, MAX_LIMIT, pending_sessions, session_page_path
 from dex_tasks.api.limits import MAX_BODY_BYTES, BodyLimit, BodyTooLargeError, too_large_response
@@ -86,13 +81,13 @@ from dex_tasks.api.openapi import (
     AUTH_401,
     AUTH_403,
     BODY_413,
-    PARAMS_400,
+    PAGE_400,
     RESOLVE_BODY,
     RESOLVE_RESPONSES,
     SESSION_RESPONSES,
     openapi_schema,
 )
-from dex_tasks.api.pages import PAGE_HEADERS, Pages, error_page, prefers_html
+from dex_tasks.api.pages import Pages, prefers_html
 from dex_tasks.api.schemas import (
     BodyError,
     ErrorResponse,
@@ -100,6 +95,7 @@ from dex_tasks.api.schemas import (
     PendingSessions,
     ResolveResponse,
     SnapshotPage,
+    ValidationErrorResponse,
     parse_resolve_body,
     validation_error_body,
 )
@@ -278,17 +274,16 @@ def list_sessions(
     state = _state(request)
     listing = pending_sessions(state.client.store, limit)
     if access.html:
-        return HTMLResponse(state.pages.sessions_page(listing, access.claims, access.token),
-                            headers=PAGE_HEADERS)
+        return state.pages.sessions_page(request, listing, access.claims, access.token)
     return JSONResponse(listing.model_dump(mode="json"), headers={"Cache-Control": "no-store"})
 
 
 @router.get("/sessions/{session_id}", response_class=HTMLResponse,
             responses={401: {"description": AUTH_401["description"], "content": {"text/html": {}}},
                        403: {"description": AUTH_403["description"], "content": {"text/html": {}}},
-                       400: PARAMS_400, 413: BODY_413},
+                       400: PAGE_400, 413: BODY_413},
             tags=["sessions"])
-def session_page(
+async def session_page(
     request: Request,
     session_id: SessionId,
     reader: Annotated[tuple[TokenClaims, str], Depends(page_view_claims)],
@@ -297,8 +292,10 @@ def session_page(
     transcript, the approvals waiting, the decided ones, live. Open it with ``?token=<token>``
     (a link cannot carry a header). A token without ``operate`` sees it read-only."""
     claims, presented = reader
-    return HTMLResponse(_state(request).pages.session_page(session_id, claims, presented),
-                        headers=PAGE_HEADERS)
+    state = _state(request)
+    beat = await run_in_threadpool(beat_state, state.client.settings)
+    return state.pages.session_page(request, session_id, claims, presented,
+                                    beat_late=beat == "late")
 
 
 @router.get("/sessions/{session_id}/snapshot", response_model=SnapshotPage,
@@ -337,6 +334,7 @@ def snapshot(
     messages = snap.messages[-limit:] if tail else snap.messages[:limit]
     page = SnapshotPage(
         session_id=session_id, limit=limit, event_cursor=cursor,
+        beat=beat_state(_state(request).client.settings),
         messages=messages, messages_more=len(snap.messages) > limit,
         tool_calls=snap.tool_calls[:limit], calls_more=len(snap.tool_calls) > limit,
         pending_interrupts=snap.pending_interrupts[:limit],
@@ -351,9 +349,10 @@ def snapshot(
 @router.get(
     "/sessions/{session_id}/events",
     responses={**SESSION_RESPONSES,
-               400: {"description": "A bad cursor: `after` or `Last-Event-ID` not an integer "
-                                    "from 0 to 2^63-1 (`error` names which).",
-                     "model": ErrorResponse},
+               400: {"description": "A bad parameter: `after` or `Last-Event-ID` not an "
+                                    "integer from 0 to 2^63-1, or a bad session id (`error` "
+                                    "names which).",
+                     "model": ValidationErrorResponse},
                429: {"description": "Too many streams open: on this server "
                                     "(DEX_MAX_EVENT_STREAMS) or with this token "
                                     "(DEX_MAX_EVENT_STREAMS_PER_TOKEN); `error` names which. "
@@ -362,18 +361,18 @@ def snapshot(
                200: {"description": "Server-Sent Events: `id:` the cursor, `event:` the event "
                                     "name, `data:` the event as JSON.",
                      "content": {"text/event-stream": {}}}},
-    response_class=StreamingResponse,
+    response_class=EventSourceResponse,
     tags=["sessions"],
 )
 async def events(
     request: Request,
     session_id: SessionId,
     reader: Annotated[tuple[TokenClaims, str], Depends(link_view_claims)],
-    after: Annotated[str | None, Query(
-        description="Send events after this cursor (an integer from 0 to 2^63-1).",
+    after: Annotated[int | None, Query(
+        ge=0, le=MAX_CURSOR, description="Send events after this cursor (an event id).",
     )] = None,
-    last_event_id: Annotated[str | None, Header(
-        alias="Last-Event-ID",
+    last_event_id: Annotated[int | None, Header(
+        alias="Last-Event-ID", ge=0, le=MAX_CURSOR,
         description="Sent by a reconnecting EventSource; wins over `after` when later.",
     )] = None,
 ) -> Response:
@@ -384,10 +383,7 @@ async def events(
     stream past the server's or the token's limit gets 429 naming the limit; a stream ends
     (after a ``token_expired`` event) when its token expires."""
     claims, token = reader
-    try:
-        start = max(parse_cursor("after", after), parse_cursor("Last-Event-ID", last_event_id))
-    except ValueError as err:
-        return JSONResponse({"error": str(err)}, status_code=400)
+    start = max(after or 0, last_event_id or 0)
     state = _state(request)
     try:
         slot = state.streams.reserve(token)
@@ -395,17 +391,15 @@ async def events(
         log.warning("event stream refused", extra={"action": "event_stream_refused",
                                                    "session_id": session_id, "error": str(err)})
         return JSONResponse({"error": str(err)}, status_code=429, headers={"Retry-After": "5"})
-    return StreamingResponse(
-        event_stream(request, state.client, session_id, start, slot=slot,
+    return event_response(
+        event_stream(state.client, session_id, start, slot=slot,
                      expires_at=claims.expires_at, heartbeat_seconds=state.heartbeat_seconds),
-        media_type="text/event-stream",
-        # no-transform / X-Accel-Buffering: proxies must pass each event on at once.
-        headers={"Cache-Control": "no-store, no-transform", "X-Accel-Buffering": "no"},
-    )
+        heartbeat_seconds=state.heartbeat_seconds)
 
 
 @router.get("/sessions/{session_id}/approvals", status_code=308, response_class=Response,
-            responses={308: {"description": "To `/sessions/{session_id}`, query kept."}},
+            responses={308: {"description": "To `/sessions/{session_id}`, query kept."},
+                       400: PAGE_400, 413: BODY_413},
             tags=["sessions"])
 def approvals_page(request: Request, session_id: SessionId) -> RedirectResponse:
     """The approval page's old address: links already handed out keep working (the page they
@@ -414,6 +408,21 @@ def approvals_page(request: Request, session_id: SessionId) -> RedirectResponse:
     query = request.url.query
     return RedirectResponse(f"{target}?{query}" if query else target, status_code=308,
                             headers={"Referrer-Policy": "no-referrer"})
+
+
+def beat_state(settings: DexSettings) -> Literal["ok", "late", "unknown"]:
+    """``ok`` if a beat swept within 3 sweep intervals, ``late`` if none did (approval
+    deadlines are not being enforced), ``unknown`` if Redis, where beat records its sweeps,
+    does not answer. What ``/healthz``, the session page and ``dex-tasks status`` go by."""
+    try:
+        client = metrics_redis(settings)
+        client.ping()
+        last = last_sweep_at(client)
+    except redis.RedisError as err:
+        log.warning("beat's last sweep unreadable: Redis unreachable",
+                    extra={"action": "http_beat_state_unknown", "error": str(err)})
+        return "unknown"
+    return "late" if beat_is_late(last, settings.sweep_interval_seconds) else "ok"
 
 
 @router.get("/healthz", tags=["operations"], responses={
@@ -430,18 +439,12 @@ def healthz(request: Request) -> JSONResponse:
     settings = state.client.settings
     with state.client.store.read() as conn:
         conn.execute(text("SELECT 1"))
-    try:
-        client = metrics_redis(settings)
-        client.ping()
-        last = last_sweep_at(client)
-    except redis.RedisError as err:
-        log.warning("health check: Redis unreachable",
-                    extra={"action": "http_health_redis_down", "error": str(err)})
+    beat = beat_state(settings)
+    if beat == "unknown":
         body = HealthResponse(status="unavailable", store="ok", redis="unreachable",
                               beat="unknown", event_streams=state.streams.open,
                               error="Redis does not answer")
         return JSONResponse(body.model_dump(exclude_none=True), status_code=503)
-    beat = "late" if beat_is_late(last, settings.sweep_interval_seconds) else "ok"
     body = HealthResponse(status="ok", store="ok", redis="ok", beat=beat,
                           event_streams=state.streams.open)
     return JSONResponse(body.model_dump(exclude_none=True))
@@ -464,9 +467,21 @@ def root() -> RedirectResponse:
     return RedirectResponse("/docs")
 
 
-async def _invalid_request(_: Request, exc: Exception) -> JSONResponse:
+_PAGE_ENDPOINTS = {session_page, approvals_page}
+
+
+async def _invalid_request(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
-    return JSONResponse(validation_error_body(exc), status_code=400)
+    body = validation_error_body(exc)
+    cursors = [str(e["loc"][-1]) for e in exc.errors()
+               if tuple(e.get("loc", ()))[-1:] in (("after",), ("Last-Event-ID",))]
+    if cursors:
+        # The seeds' reading of a cursor: one line naming it and the range the store can hold.
+        body["error"] = f"{cursors[0]} must be an integer from 0 to {MAX_CURSOR}"
+    if request.scope.get("endpoint") in _PAGE_ENDPOINTS:
+        # A link a person opened: say so in HTML, as its 401 and 403 do.
+        return _state(request).pages.error_page(request, 400, body["error"], {})
+    return JSONResponse(body, status_code=400)
 
 
 async def _invalid_argument(_: Request, exc: Exception) -> JSONResponse:
@@ -474,11 +489,10 @@ async def _invalid_argument(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"error": f"invalid request: {exc}"}, status_code=400)
 
 
-async def _page_refused(_: Request, exc: Exception) -> HTMLResponse:
+async def _page_refused(request: Request, exc: Exception) -> HTMLResponse:
     # A person reads this, not a program: say what to do, in HTML.
     assert isinstance(exc, PageRefusedError)
-    return HTMLResponse(error_page(exc.status_code, str(exc)), status_code=exc.status_code,
-                        headers={**PAGE_HEADERS, **exc.headers})
+    return _state(request).pages.error_page(request, exc.status_code, str(exc), exc.headers)
 
 
 async def _too_large(_: Request, exc: Exception) -> Response:

@@ -12,7 +12,8 @@ sessions have new events every ``poll_seconds`` (one range read on the events' p
 every stream of the process together) and wakes those sessions' streams, which then read their
 own events (one indexed range read on ``(session_id, id)``). Each stream also reads once every
 ``heartbeat_seconds`` by itself, and a comment line goes out after that long of silence so
-proxies keep the connection open and a vanished client is noticed.
+proxies keep the connection open and a vanished client is noticed. The framing, the
+keep-alive and the disconnect are sse-starlette's (:func:`event_response`).
 
 Limits: at most ``max_streams`` streams per API process and ``max_per_token`` per token
 (``DEX_MAX_EVENT_STREAMS``, ``DEX_MAX_EVENT_STREAMS_PER_TOKEN``; a stream past either is refused
@@ -30,8 +31,8 @@ import time
 from collections.abc import AsyncIterator
 
 import anyio
-from fastapi import Request
 from sqlalchemy import func, select
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from dex_tasks.agent.client import DexClient
 from dex_tasks.store import EVENTS, Store
@@ -43,28 +44,22 @@ RECONNECT_MILLISECONDS = 1000
 MAX_CURSOR = 2**63 - 1  # event ids are signed 64-bit integers in both stores
 
 
-def parse_cursor(field: str, value: str | None) -> int:
-    """A cursor from ``?after=`` or ``Last-Event-ID`` (None or empty: 0).
-
-    Raises ``ValueError`` naming ``field`` unless it is an integer from 0 to 2^63-1: the store
-    cannot compare a larger one, and the check must come before the stream starts (a stream
-    that has sent its 200 can only abort).
-    """
-    if value is None or value == "":
-        return 0
-    text = value.strip()
-    # Digits only (int() would also take "+5", "1_000" and non-ASCII digits), and a bounded
-    # length before converting: int() of thousands of digits is refused anyway.
-    if not (text.isascii() and text.isdigit()) or len(text) > 19 or int(text) > MAX_CURSOR:
-        shown = value if len(value) <= 40 else value[:40] + "..."
-        raise ValueError(f"{field} must be an integer from 0 to {MAX_CURSOR}, got {shown!r}")
-    return int(text)
-
-
-def format_event(event: CallEvent) -> str:
-    """One SSE message for ``event``."""
+def sse_message(event: CallEvent) -> dict[str, str | int]:
+    """One SSE message for ``event``, framed by sse-starlette."""
     # model_dump_json never emits a raw newline, so the data fits on one ``data:`` line.
-    return f"id: {event.id}\nevent: {event.event}\ndata: {event.model_dump_json()}\n\n"
+    return {"id": str(event.id), "event": event.event, "data": event.model_dump_json()}
+
+
+def event_response(stream: AsyncIterator[dict[str, str | int]], *,
+                   heartbeat_seconds: float) -> EventSourceResponse:
+    """``stream`` as ``text/event-stream``: sse-starlette frames each message, sends a
+    ``: keep-alive`` comment every ``heartbeat_seconds`` (proxies keep the connection open and a
+    vanished client is noticed) and ends the stream when the client disconnects."""
+    return EventSourceResponse(
+        stream, sep="\n", ping=heartbeat_seconds,
+        ping_message_factory=lambda: ServerSentEvent(comment="keep-alive", sep="\n"),
+        # no-transform / X-Accel-Buffering: proxies must pass each event on at once.
+        headers={"Cache-Control": "no-store, no-transform"})
 
 
 class StreamLimitError(Exception):
@@ -217,7 +212,6 @@ def latest_event_id(store: Store, session_id: str) -> int:
 
 
 async def event_stream(
-    request: Request,
     client: DexClient,
     session_id: str,
     after: int,
@@ -225,14 +219,14 @@ async def event_stream(
     slot: StreamSlot,
     expires_at: float,
     heartbeat_seconds: float,
-) -> AsyncIterator[str]:
-    """Yield the session's events after cursor ``after``, then new ones as they are stored.
+) -> AsyncIterator[dict[str, str | int]]:
+    """The session's events after cursor ``after``, then new ones as they are stored, as
+    messages for :func:`event_response`.
 
-    Runs until the client disconnects (Starlette cancels this generator when the connection
-    closes, and the loop also checks between reads: an ASGI server may only tell us that
-    way), the server shuts down (``hub.closing``) or the token expires (``expires_at``, epoch
-    seconds: checked before every event and on a timer; a last ``token_expired`` event says
-    so). ``slot`` (from :meth:`StreamHub.reserve`) is given back when it ends.
+    Runs until the client disconnects (sse-starlette cancels this generator then), the server
+    shuts down (``hub.closing``) or the token expires (``expires_at``, epoch seconds: checked
+    before every event and on a timer; a last ``token_expired`` event says so). ``slot`` (from
+    :meth:`StreamHub.reserve`) is given back when it ends.
     """
     hub = slot.hub
     cursor = after
@@ -240,10 +234,10 @@ async def event_stream(
                                            "session_id": session_id, "after": after})
     try:
         # Tell EventSource how soon to reconnect after a drop.
-        yield f"retry: {RECONNECT_MILLISECONDS}\n\n"
-        quiet_since = read_at = time.monotonic()
+        yield {"retry": RECONNECT_MILLISECONDS}
+        read_at = time.monotonic()
         woken = True  # read at once
-        while not hub.closing and not await request.is_disconnected():
+        while not hub.closing:
             if time.time() >= expires_at:
                 yield _expired(expires_at)
                 return
@@ -257,16 +251,12 @@ async def event_stream(
                         yield _expired(expires_at)
                         return
                     cursor = event.id
-                    yield format_event(event)
+                    yield sse_message(event)
                 if batch:
-                    quiet_since = time.monotonic()
                     woken = True  # a full batch may mean more are waiting: read again
                     continue
-            if time.monotonic() - quiet_since >= heartbeat_seconds:
-                yield ": keep-alive\n\n"
-                quiet_since = time.monotonic()
-            # Wake for new events, and at least every half second (expiry, disconnects,
-            # shutdown are checked then; no store read unless there is news or a heartbeat).
+            # Wake for new events, and at least every half second (expiry and shutdown are
+            # checked then; no store read unless there is news or a heartbeat's time passed).
             timeout = max(0.0, min(_TICK_SECONDS, expires_at - time.time()))
             await hub.wait(session_id, waiter, timeout)
             woken = waiter.is_set()
@@ -279,7 +269,7 @@ async def event_stream(
 _TICK_SECONDS = 0.5
 
 
-def _expired(expires_at: float) -> str:
+def _expired(expires_at: float) -> dict[str, str | int]:
     data = json.dumps({"expired_at": expires_at,
                        "detail": "the token expired: open the page with a new link"})
-    return f"event: token_expired\ndata: {data}\n\n"
+    return {"event": "token_expired", "data": data}

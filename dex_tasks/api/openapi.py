@@ -25,6 +25,9 @@ AUTH_403: dict[str, Any] = {
 PARAMS_400: dict[str, Any] = {
     "description": "A bad path, query or header parameter; `error` names it.",
     "model": ValidationErrorResponse}
+PAGE_400: dict[str, Any] = {
+    "description": "A bad path or query parameter: an HTML page naming it (a person opened "
+                   "this link).", "content": {"text/html": {"schema": {"type": "string"}}}}
 BODY_413: dict[str, Any] = {
     "description": f"The request body is over {MAX_BODY_BYTES} bytes; it is not read.",
     "model": ErrorResponse}

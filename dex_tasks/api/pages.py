@@ -1,19 +1,24 @@
 """The HTML a person opens: the session page, the operator's sessions list, error pages.
 
-Pages are rendered from files in this package with :class:`string.Template`; every value from
-a token or the store goes in through :func:`html.escape`, and no page contains inline script
-(the Content-Security-Policy forbids it). The session page's live parts (cards, transcript,
-countdowns) are drawn by ``static/session.js`` from the snapshot and the event stream; what the
-server renders is what must be there before any script runs: who you are working as.
+Pages are Jinja2 templates in ``dex_tasks/api/templates`` (one ``base.html`` holds the head
+every page shares), rendered with autoescaping on, so every value from a token or the store is
+escaped; no page contains inline script (the Content-Security-Policy forbids it). The session
+page's live parts (cards, transcript, countdowns) are drawn by ``static/session.js`` from the
+snapshot and the event stream; what the server renders is what must be there before any script
+runs: who you are working as, and whether beat is late.
 """
 
 from __future__ import annotations
 
-import html
+from collections.abc import Mapping
 from datetime import UTC, datetime
-from importlib import resources
-from string import Template
+from typing import Any
 from urllib.parse import quote
+
+from fastapi import Request
+from fastapi.responses import HTMLResponse
+from fastapi.templating import Jinja2Templates
+from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
 from dex_tasks.api.schemas import PendingSessions
 from dex_tasks.tokens import VIEW, TokenClaims
@@ -31,102 +36,70 @@ PAGE_HEADERS = {
 }
 
 
-def _template(name: str) -> Template:
-    return Template(resources.files("dex_tasks.api").joinpath(name).read_text("utf-8"))
+def _moment(value: float | datetime) -> datetime:
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
+    return datetime.fromtimestamp(value, tz=UTC)
+
+
+def _iso(value: float | datetime) -> str:
+    return _moment(value).isoformat(timespec="seconds")
+
+
+def _utc(value: float | datetime) -> str:
+    return _moment(value).astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def page_templates() -> Jinja2Templates:
+    """The pages' templates, autoescaped (every template is HTML), strict about undefined
+    names so a misspelt one fails the tests instead of rendering empty."""
+    env = Environment(loader=PackageLoader("dex_tasks.api", "templates"),
+                      autoescape=select_autoescape(default=True, default_for_string=True),
+                      undefined=StrictUndefined, trim_blocks=False)
+    env.filters["iso"] = _iso
+    env.filters["utc"] = _utc
+    return Jinja2Templates(env=env)
 
 
 class Pages:
-    """The page templates, read once when the app is built."""
+    """The page templates, loaded once when the app is built."""
 
     def __init__(self) -> None:
-        self.session = _template("session.html")
-        self.sessions = _template("sessions.html")
+        self.templates = page_templates()
 
-    def session_page(self, session_id: str, claims: TokenClaims, token: str) -> str:
-        """The session page for the holder of ``claims``."""
+    def _render(self, request: Request, name: str, context: dict[str, Any],
+                status_code: int = 200, headers: Mapping[str, str] | None = None) -> HTMLResponse:
+        return self.templates.TemplateResponse(
+            request, name, context, status_code=status_code,
+            headers={**PAGE_HEADERS, **(headers or {})})
+
+    def session_page(self, request: Request, session_id: str, claims: TokenClaims, token: str,
+                     *, beat_late: bool = False) -> HTMLResponse:
+        """The session page for the holder of ``claims``; ``beat_late`` shows the warning that
+        deadlines are not being enforced."""
         permission = claims.strongest_permission or VIEW
-        can_operate = permission != VIEW
-        inbox = ""
-        if claims.all_sessions:
-            inbox = (f' <a class="inbox-link" href="/sessions?token={_attr(quote(token))}">'
-                     "All sessions waiting for a decision</a>")
-        return self.session.substitute(
-            session_id=_text(session_id),
-            approver=_text(claims.approver or "an unnamed token holder"),
-            permission=_text(permission),
-            scope=' · <span class="scope">all sessions</span>' if claims.all_sessions else "",
-            can_operate="true" if can_operate else "false",
-            all_sessions="true" if claims.all_sessions else "false",
-            expires_iso=_attr(_iso(claims.expires_at)),
-            expires_utc=_text(_utc(claims.expires_at)),
-            inbox_link=inbox,
-            read_only_hidden="" if not can_operate else " hidden",
-            unnamed_hidden="" if can_operate and claims.approver is None else " hidden",
-        )
+        return self._render(request, "session.html", {
+            "session_id": session_id, "claims": claims, "approver": claims.approver,
+            "permission": permission, "can_operate": permission != VIEW,
+            "expires_at": claims.expires_at, "beat_late": beat_late,
+            "inbox_url": f"/sessions?token={quote(token)}" if claims.all_sessions else None,
+        })
 
-    def sessions_page(self, listing: PendingSessions, claims: TokenClaims, token: str) -> str:
+    def sessions_page(self, request: Request, listing: PendingSessions, claims: TokenClaims,
+                      token: str) -> HTMLResponse:
         """The operator's list of sessions waiting for a decision, each linking to its page."""
-        rows = []
-        link_token = _attr(quote(token))
-        for item in listing.sessions:
-            deadline = ("no deadline" if item.next_deadline is None else
-                        f'next deadline <time class="clock" '
-                        f'datetime="{_attr(item.next_deadline.isoformat())}">'
-                        f"{_text(_utc(item.next_deadline.timestamp()))}</time>")
-            rows.append(
-                f'<li class="session-row" data-session-id="{_attr(item.session_id)}">'
-                f'<a class="mono" href="{_attr(item.page)}?token={link_token}">'
-                f"{_text(item.session_id)}</a>"
-                f'<span class="badge waiting">{item.pending} waiting</span>'
-                f'<span class="meta">latest request <time class="clock" '
-                f'datetime="{_attr(item.newest_request_at.isoformat())}">'
-                f"{_text(_utc(item.newest_request_at.timestamp()))}</time> · {deadline}</span>"
-                "</li>")
-        more = (f"<p class=\"meta\">Only the {len(listing.sessions)} newest are shown.</p>"
-                if listing.truncated else "")
-        return self.sessions.substitute(
-            approver=_text(claims.approver or "an unnamed token holder"),
-            permission=_text(claims.strongest_permission or VIEW),
-            expires_iso=_attr(_iso(claims.expires_at)),
-            expires_utc=_text(_utc(claims.expires_at)),
-            count=str(len(listing.sessions)),
-            rows="\n".join(rows),
-            empty_hidden=" hidden" if rows else "",
-            truncated=more,
-        )
+        return self._render(request, "sessions.html", {
+            "listing": listing, "claims": claims, "approver": claims.approver,
+            "permission": claims.strongest_permission or VIEW, "token": token,
+            "expires_at": claims.expires_at,
+        })
 
-
-def error_page(status_code: int, detail: str) -> str:
-    """A 401/403 page for a person: what went wrong and how to get a working link."""
-    title = "Not allowed" if status_code == 403 else "Sign-in link needed"
-    return (
-        "<!doctype html><html lang=en><meta charset=utf-8>"
-        '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{title} - dex-tasks</title>"
-        '<link rel="stylesheet" href="/static/dex.css">'
-        f'<main class="error-page"><h1>{title}</h1><p>{_text(detail)}</p>'
-        "<p>Ask an operator for a fresh link: <code>dex-tasks token SESSION_ID</code> prints "
-        "a token (<code>--permission view</code> for a read-only one); open "
-        "<code>/sessions/SESSION_ID?token=TOKEN</code>. The list of every session waiting for "
-        "a decision needs an operator token: <code>dex-tasks token --all-sessions</code>, "
-        "then <code>/sessions?token=TOKEN</code>.</p></main></html>"
-    )
-
-
-def _text(value: str) -> str:
-    return html.escape(value, quote=False)
-
-
-def _attr(value: str) -> str:
-    return html.escape(value, quote=True)
-
-
-def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="seconds")
-
-
-def _utc(ts: float) -> str:
-    return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    def error_page(self, request: Request, status_code: int, detail: str,
+                   headers: Mapping[str, str]) -> HTMLResponse:
+        """A 401/403 page for a person: what went wrong and how to get a working link."""
+        title = "Not allowed" if status_code == 403 else "Sign-in link needed"
+        return self._render(request, "error.html", {"title": title, "detail": detail},
+                            status_code=status_code, headers=headers)
 
 
 def prefers_html(accept: str) -> bool:

@@ -250,6 +250,11 @@ class SnapshotPage(AgentSnapshot):
                                            "holds (the oldest are listed).")
     decided_more: bool = Field(description="Older decisions than `decided` holds (the newest "
                                            "are listed).")
+    beat: Literal["ok", "late", "unknown"] = Field(
+        "unknown", description="Whether a beat swept within 3 sweep intervals, as `/healthz` "
+                               "says: `late` means approval deadlines are not being enforced "
+                               "(the session page shows a warning); `unknown`, Redis did not "
+                               "answer.")
     event_cursor: int = Field(
         description="The session's latest event id before this was read: "
                     "`/events?after=<event_cursor>` follows the session from here on, "

@@ -9,6 +9,7 @@ One module per framework, each importing its framework only there and installed 
 * ``dex_tasks.integrations.mcp_server`` (``[mcp]``): ``dex-tasks mcp``, the catalog as an MCP
   server
 * ``dex_tasks.integrations.google_adk`` (``[google-adk]``)
+* ``dex_tasks.integrations.crewai`` (``[crewai]``)
 
 The core never imports these modules; they use only the public names of ``dex_tasks``.
 """

@@ -47,16 +47,13 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-try:
+from dex_tasks.integrations.extras import needs_extra
+
+with needs_extra("google-adk", "dex_tasks.integrations.google_adk"):
     from google.adk.sessions import Session
     from google.adk.tools.base_tool import BaseTool
     from google.adk.tools.tool_context import ToolContext
     from google.genai import types
-except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        'dex_tasks.integrations.google_adk needs the google-adk extra: '
-        'pip install "dex-tasks[google-adk]"'
-    ) from err
 
 from dex_tasks import (
     AsyncDexClient,
@@ -199,10 +196,15 @@ def dex_key(session: Session, function_call_id: str) -> str:
 
 
 def model_result(record: ToolCallRecord) -> Any:
-    """What the model reads: the result (an object as it is), else ``{"error": text}``."""
+    """What the model reads: the result (an object as it is), else ``{"error": text}``; with
+    ``"dex_arguments_edit"`` (the note) when a person approved edited arguments."""
     if record.status is CallStatus.SUCCEEDED:
-        return record.result if isinstance(record.result, dict) else {"result": record.result}
-    return {"error": record.error or f"the tool call ended {record.status.value}"}
+        response = record.result if isinstance(record.result, dict) else {"result": record.result}
+    else:
+        response = {"error": record.error or f"the tool call ended {record.status.value}"}
+    if record.arguments_edit:
+        response = {**response, "dex_arguments_edit": record.arguments_edit}
+    return response
 
 
 def _escape(value: str) -> str:

@@ -38,15 +38,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from dex_tasks import EffectClass, Tool, ToolContext, ToolDefinitionError, ToolPolicy, define_tool
+from dex_tasks.integrations.extras import needs_extra
 
-try:
+with needs_extra("mcp", "dex_tasks.integrations.mcp"):
     from mcp import StdioServerParameters
     from mcp.types import CallToolResult, TextContent
     from mcp.types import Tool as MCPTool
-except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        'dex_tasks.integrations.mcp needs the mcp extra: pip install "dex-tasks[mcp]"'
-    ) from err
 
 from dex_tasks.integrations.mcp_session import (
     IDEMPOTENCY_META_KEY,

@@ -60,17 +60,15 @@ from dex_tasks import (
     ToolCallRecord,
     ToolSpec,
     read_token,
+    tool_message_text,
 )
+from dex_tasks.integrations.extras import needs_extra
 
-try:
+with needs_extra("mcp", "dex_tasks.integrations.mcp_server"):
     import mcp.types as types
     from mcp.server.lowlevel import Server
     from mcp.server.stdio import stdio_server
     from mcp.shared.exceptions import MCPError
-except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        'dex_tasks.integrations.mcp_server needs the mcp extra: pip install "dex-tasks[mcp]"'
-    ) from err
 
 __all__ = [
     "AWAITING_APPROVAL",
@@ -295,8 +293,9 @@ def mcp_tool(spec: ToolSpec) -> types.Tool:
 def _result(record: ToolCallRecord) -> types.CallToolResult:
     """A terminal call as the client reads it."""
     if record.status is not CallStatus.SUCCEEDED:
-        return _error(record.error or f"the tool call ended {record.status.value}", record)
-    text = json.dumps(record.result, ensure_ascii=False)
+        return _error(tool_message_text(record), record)
+    # The edit note first when a person approved edited arguments.
+    text = tool_message_text(record)
     return types.CallToolResult(
         content=[types.TextContent(type="text", text=text)],
         structured_content=record.result if isinstance(record.result, dict) else None,

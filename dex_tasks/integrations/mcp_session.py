@@ -40,8 +40,9 @@ from dex_tasks import (
     ToolDefinitionError,
     TransientToolError,
 )
+from dex_tasks.integrations.extras import needs_extra
 
-try:
+with needs_extra("mcp", "dex_tasks.integrations.mcp"):
     import anyio
     import httpx2
     from mcp import Client, StdioServerParameters
@@ -57,10 +58,6 @@ try:
         RequestParamsMeta,
     )
     from mcp.types import Tool as MCPTool
-except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        'dex_tasks.integrations.mcp needs the mcp extra: pip install "dex-tasks[mcp]"'
-    ) from err
 
 log = logging.getLogger("dex_tasks.integrations.mcp")
 

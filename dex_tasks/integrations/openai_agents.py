@@ -20,7 +20,9 @@ How it works:
   (``client.list_tools()``): its name, description (the docstring) and parameters schema.
   ``strict_json_schema`` is on only when the catalog schema already is a strict schema (every
   property required, no extra properties): making it strict would otherwise change what the
-  tool accepts. ``needs_approval`` is the tool's dex policy. Invoking the tool records the call
+  tool accepts. ``needs_approval`` is the tool's dex policy: a flag, or for a rule on the
+  arguments (``requires_approval=when(...)``) a callable that asks the rule, so that only the
+  calls it sends to a person pause the run. Invoking the tool records the call
   with ``call_tool`` and waits for its result, which the model reads as JSON text; a call that
   failed, was rejected or whose outcome is unknown gives the model its error text instead.
 * The idempotency key is ``session_id/turn_id/call id``: the session and the turn from the run
@@ -37,6 +39,11 @@ How it works:
   (``resolve_interrupt``, the approval page, ``dex-tasks approvals``); once decided it approves
   or rejects the SDK's item: approved calls run on a worker (once, whoever resumes, however
   often), a rejection reaches the model as the tool's result with the person's message.
+* Edits: the SDK has no edit decision of its own (``RunState.approve`` takes no arguments).
+  A person edits in dex-tasks, ``resolve_interrupt(..., arguments=...)`` (the page's edit box,
+  ``dex-tasks approvals approve --arguments``); :func:`apply_dex_decisions` then approves the
+  SDK's item and the invocation runs the dex call under its key, with the edited arguments.
+  The model reads the result after the note that says what was changed.
 * The SDK asks ``needs_approval`` before it runs a tool's input guardrails, so a call the
   guardrails refuse would still be put to a person. :func:`apply_dex_decisions` therefore runs
   the tool's input guardrails itself before it records a call: a refusal records nothing, and
@@ -52,17 +59,14 @@ import copy
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Mapping, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping, Sequence
 from contextvars import ContextVar
 from typing import Any
 
-try:
+from dex_tasks.integrations.extras import needs_extra
+
+with needs_extra("openai-agents", "dex_tasks.integrations.openai_agents"):
     import agents  # noqa: F401 - only to tell a missing extra from other import errors
-except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        'dex_tasks.integrations.openai_agents needs the openai-agents extra: '
-        'pip install "dex-tasks[openai-agents]"'
-    ) from err
 from agents import (
     Agent,
     AgentsException,
@@ -90,6 +94,7 @@ from pydantic import TypeAdapter
 
 from dex_tasks import (
     TOOL_DID_NOT_RUN,
+    ApprovalRule,
     AsyncDexClient,
     CallNotFoundError,
     CallStatus,
@@ -98,10 +103,12 @@ from dex_tasks import (
     EffectClass,
     InvalidCallError,
     ToolCallRecord,
+    ToolPolicy,
     ToolSpec,
     UnknownToolError,
     idempotency_key,
     key_part,
+    tool_message_text,
 )
 
 __all__ = [
@@ -295,8 +302,23 @@ def _function_tool(client: AsyncDexClient, spec: ToolSpec,
         params_json_schema=schema,
         on_invoke_tool=_DexInvoker(client, spec.name, default_effect, timeout),
         strict_json_schema=_already_strict(schema),
-        needs_approval=spec.policy.needs_approval,
+        needs_approval=_needs_approval(spec.policy),
     )
+
+
+def _needs_approval(policy: ToolPolicy) -> bool | Callable[..., Awaitable[bool]]:
+    """``needs_approval`` for a tool with this dex policy: a flag, or for a rule on the
+    arguments the SDK's callable, which asks the rule (``ToolPolicy.approval_for``, the very
+    evaluation ``call_tool`` makes from the catalog's policy) so that only the calls the rule
+    sends to a person pause the run. A rule that cannot be evaluated pauses it (fail closed)."""
+    if not isinstance(policy.requires_approval, ApprovalRule):
+        return policy.needs_approval
+
+    async def asks_the_rule(_ctx: RunContextWrapper[Any], arguments: dict[str, Any],
+                            _call_id: str) -> bool:
+        return policy.approval_for(arguments).required
+
+    return asks_the_rule
 
 
 def _already_strict(schema: dict[str, Any]) -> bool:
@@ -313,10 +335,9 @@ def _already_strict(schema: dict[str, Any]) -> bool:
 
 
 def _model_text(record: ToolCallRecord) -> str:
-    """What the model reads: the result as JSON text, else the call's error."""
-    if record.status is CallStatus.SUCCEEDED:
-        return json.dumps(record.result, ensure_ascii=False)
-    return record.error or f"the tool call ended {record.status.value}"
+    """What the model reads: the result as JSON text, else the call's error; after the edit
+    note when a person approved edited arguments."""
+    return tool_message_text(record)
 
 
 def _reject_constant(value: str) -> Any:

@@ -76,6 +76,16 @@ agent itself marks ``requires_approval=True`` is deferred by Pydantic AI before 
 the call: answer that approval as before (``dex_deferred_results`` leaves calls dex-tasks does
 not know out); dex-tasks' policy then applies as well.
 
+**Edits.** A person may approve with edited arguments in dex-tasks (``resolve_interrupt(...,
+arguments=...)``, the page's edit box) or in your own approval UI the Pydantic AI way,
+``ToolApproved(override_args={...})``: hand those decisions to dex-tasks with
+``await dex.apply_decisions(requests, decisions, approver="alice")`` (or
+:func:`dex_apply_decisions`), which records each as ``resolve_interrupt`` would (an edit is
+checked against the tool's schema) and returns what to resume with. An edited call is answered
+``ToolApproved(override_args=<the edited arguments>)``; the tool runs once with them under the
+call's key, and the model reads its result with a note beside it (``ToolReturn.content``) that
+says which arguments were changed.
+
 **Results.** A call that succeeded returns its result to the model. A call that failed, was
 rejected or ended ``outcome_unknown`` raises Pydantic AI's ``ToolFailed`` with the call's
 error, which the model reads as a failed tool result (the error says whether the tool ran). A
@@ -94,7 +104,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-try:
+from dex_tasks.integrations.extras import needs_extra
+
+with needs_extra("pydantic-ai", "dex_tasks.integrations.pydantic_ai"):
     from pydantic_ai import (
         ApprovalRequired,
         CallDeferred,
@@ -108,19 +120,15 @@ try:
         ToolDefinition,
         ToolDenied,
         ToolFailed,
+        ToolReturn,
         UserPromptPart,
     )
     from pydantic_ai.capabilities import AbstractCapability
     from pydantic_ai.capabilities.abstract import WrapModelRequestHandler, WrapRunHandler
-    from pydantic_ai.messages import ModelMessagesTypeAdapter
+    from pydantic_ai.messages import ModelMessagesTypeAdapter, RetryPromptPart, ToolReturnPart
     from pydantic_ai.models import ModelRequestContext
     from pydantic_ai.run import AgentRunResult
     from pydantic_ai.toolsets import AbstractToolset, ToolsetTool, WrapperToolset
-except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        'dex_tasks.integrations.pydantic_ai needs the pydantic-ai extra: '
-        'pip install "dex-tasks[pydantic-ai]"'
-    ) from err
 
 from pydantic_core import SchemaValidator, core_schema, to_jsonable_python
 
@@ -141,9 +149,11 @@ from dex_tasks import (
     UnknownToolError,
     idempotency_key,
     key_part,
+    tool_message_text,
 )
 
-__all__ = ["ApprovalPendingError", "DexCapability", "TurnInProgressError", "dex_deferred_results"]
+__all__ = ["ApprovalPendingError", "DexCapability", "TurnInProgressError", "dex_apply_decisions",
+           "dex_deferred_results"]
 
 # Ids dex-tasks accepts (dex_tasks/limits.py): at most 200 characters, no "/".
 _ID_MAX = 200
@@ -236,8 +246,11 @@ def _metadata(record: ToolCallRecord) -> dict[str, Any]:
 
 
 def _begins_turn(message: ModelMessage) -> bool:
+    # A user prompt beside tool results is a tool's ToolReturn(content=...) (the edit note of
+    # an edited call is one), which continues the turn; a prompt alone begins one.
     return isinstance(message, ModelRequest) and any(
-        isinstance(part, UserPromptPart) for part in message.parts)
+        isinstance(part, UserPromptPart) for part in message.parts) and not any(
+        isinstance(part, ToolReturnPart | RetryPromptPart) for part in message.parts)
 
 
 def _position(messages: Sequence[ModelMessage], upto: int | None = None) -> int:
@@ -265,7 +278,7 @@ def _input_text(prompt: object, messages: Sequence[ModelMessage]) -> str:
     user prompt of the history it resumes."""
     if prompt is None:
         for message in reversed(messages):
-            if isinstance(message, ModelRequest):
+            if isinstance(message, ModelRequest) and _begins_turn(message):
                 parts = [p for p in message.parts if isinstance(p, UserPromptPart)]
                 if parts:
                     prompt = parts[-1].content
@@ -527,6 +540,15 @@ class DexCapability(AbstractCapability[Any]):
         """The answers dex-tasks recorded for a paused run; see :func:`dex_deferred_results`."""
         return await dex_deferred_results(self.client, paused, session_id=self.session_id)
 
+    async def apply_decisions(
+        self, paused: DeferredToolRequests | Sequence[ModelMessage],
+        decisions: DeferredToolResults, *, approver: str | None = None,
+        permissions: Sequence[str] | None = None,
+    ) -> DeferredToolResults:
+        """Pydantic AI decisions recorded in dex-tasks; see :func:`dex_apply_decisions`."""
+        return await dex_apply_decisions(self.client, paused, decisions, approver=approver,
+                                         permissions=permissions, session_id=self.session_id)
+
     async def _run(self, ctx: RunContext[Any], tool: str, arguments: dict[str, Any]) -> Any:
         """One tool call through dex-tasks: record it (or find it), then wait for its end."""
         if ctx.tool_call_id is None:
@@ -546,11 +568,19 @@ class DexCapability(AbstractCapability[Any]):
             # call; resuming enters here again with the same key and waits for the same call.
             raise CallDeferred(metadata=_metadata(record)) from None
         if record.status is CallStatus.SUCCEEDED:
+            if record.arguments_edit:
+                # The tool ran with the arguments a person edited: the model is told so, next
+                # to the result (Pydantic AI's own override_args tells it nothing).
+                return ToolReturn(return_value=record.result,
+                                  content=f"{tool} call {ctx.tool_call_id}: "
+                                          f"{record.arguments_edit}",
+                                  metadata={"dex_key": record.key,
+                                            "dex_original_arguments": record.original_arguments})
             return record.result
         error = record.error or f"the tool call ended {record.status.value}"
         if record.status is CallStatus.OUTCOME_UNKNOWN and record.key not in error:
             error += f" The call's idempotency key is {record.key}."
-        raise ToolFailed(error)
+        raise ToolFailed(tool_message_text(record, error))
 
     async def _call(self, ctx: RunContext[Any], tool: str,
                     arguments: dict[str, Any]) -> ToolCallRecord:
@@ -611,7 +641,38 @@ async def dex_deferred_results(
     caller to answer (``DeferredToolResults.update``). Raises :class:`ApprovalPendingError` if a
     call still waits for a person: resume after it is decided.
     """
-    aclient = client if isinstance(client, AsyncDexClient) else AsyncDexClient(client=client)
+    aclient = _async(client)
+    keys = await _paused_keys(aclient, paused, session_id)
+    results = DeferredToolResults()
+    waiting: list[ToolCallRecord] = []
+    for call_id, key in keys.items():
+        try:
+            record = await aclient.get_tool_call(key)
+        except CallNotFoundError:
+            continue  # not a dex-tasks call (the agent's own deferred tool, say)
+        if record.status is CallStatus.AWAITING_APPROVAL:
+            waiting.append(record)
+        elif record.status is CallStatus.REJECTED:
+            results.approvals[call_id] = ToolDenied(record.error or "the tool call was rejected")
+        else:
+            # Approved with edited arguments: said natively too (the run calls the tool with
+            # them; dex-tasks takes them as the same call and runs it once, under its key).
+            results.approvals[call_id] = ToolApproved(
+                override_args=record.arguments if record.original_arguments is not None
+                else None)
+    if waiting:
+        raise ApprovalPendingError(waiting)
+    return results
+
+
+def _async(client: DexClient | AsyncDexClient) -> AsyncDexClient:
+    return client if isinstance(client, AsyncDexClient) else AsyncDexClient(client=client)
+
+
+async def _paused_keys(aclient: AsyncDexClient,
+                       paused: DeferredToolRequests | Sequence[ModelMessage],
+                       session_id: str | None) -> dict[str, str]:
+    """The dex key of each deferred call of a paused run, by the model's tool-call id."""
     keys: dict[str, str] = {}
     if isinstance(paused, DeferredToolRequests):
         for call in [*paused.approvals, *paused.calls]:
@@ -633,20 +694,56 @@ async def dex_deferred_results(
                         fitted, turn.turn_id, _step_call_id(_position(paused, at), call_id))
                 else:
                     keys[call_id] = idempotency_key(*_call_key(fitted, response, call_id))
+    return keys
 
-    results = DeferredToolResults()
-    waiting: list[ToolCallRecord] = []
-    for call_id, key in keys.items():
+
+async def dex_apply_decisions(
+    client: DexClient | AsyncDexClient,
+    paused: DeferredToolRequests | Sequence[ModelMessage],
+    decisions: DeferredToolResults,
+    *,
+    approver: str | None = None,
+    permissions: Sequence[str] | None = None,
+    session_id: str | None = None,
+) -> DeferredToolResults:
+    """Record decisions made the Pydantic AI way (your own approval UI builds
+    ``DeferredToolResults``) in dex-tasks, then answer the paused run from dex-tasks' records.
+
+    For each dex call ``decisions.approvals`` answers: ``ToolApproved()`` (or ``True``)
+    approves it, ``ToolApproved(override_args={...})`` approves it with those arguments (an
+    edit: ``resolve_interrupt(..., arguments=...)``, checked against the tool's schema,
+    :class:`~dex_tasks.InvalidEditError` naming the field otherwise), ``ToolDenied(message)``
+    (or ``False``) rejects it with the message. ``approver`` and ``permissions`` are the
+    person's, as for ``resolve_interrupt``. A call someone else decided first keeps that
+    decision. Returns :func:`dex_deferred_results` (so every answer is what dex-tasks
+    recorded, and a call that still needs another approver raises
+    :class:`ApprovalPendingError`), plus the answers
+    of ``decisions`` for calls dex-tasks does not know.
+    """
+    aclient = _async(client)
+    keys = await _paused_keys(aclient, paused, session_id)
+    for call_id, decision in decisions.approvals.items():
+        key = keys.get(call_id)
+        if key is None:
+            continue
         try:
             record = await aclient.get_tool_call(key)
         except CallNotFoundError:
-            continue  # not a dex-tasks call (the agent's own deferred tool, say)
-        if record.status is CallStatus.AWAITING_APPROVAL:
-            waiting.append(record)
-        elif record.status is CallStatus.REJECTED:
-            results.approvals[call_id] = ToolDenied(record.error or "the tool call was rejected")
-        else:
-            results.approvals[call_id] = ToolApproved()
-    if waiting:
-        raise ApprovalPendingError(waiting)
-    return results
+            continue
+        if record.status is not CallStatus.AWAITING_APPROVAL or record.interrupt_id is None:
+            continue
+        if isinstance(decision, ToolDenied) or decision is False:
+            message = decision.message if isinstance(decision, ToolDenied) else None
+            await aclient.resolve_interrupt(record.session_id, record.interrupt_id, False,
+                                            rejection_message=message,
+                                            approver=approver, permissions=permissions)
+        else:  # True or ToolApproved
+            edit = decision.override_args if isinstance(decision, ToolApproved) else None
+            await aclient.resolve_interrupt(record.session_id, record.interrupt_id, True,
+                                            approver=approver, permissions=permissions,
+                                            arguments=edit)
+    answered = await dex_deferred_results(aclient, paused, session_id=session_id)
+    for call_id, decision in decisions.approvals.items():
+        answered.approvals.setdefault(call_id, decision)
+    answered.calls = {**decisions.calls, **answered.calls}
+    return answered

@@ -133,6 +133,9 @@ def _decide(session_id: str, interrupt_id: str, approved: bool, message: str | N
                 typer.echo(visible(f"approval counted: {row.approvals_given} of "
                                    f"{row.approvals_required} for interrupt {interrupt_id} "
                                    f"as {who}"))
+                if edited is not None and call is not None and call.arguments_edit:
+                    typer.echo(visible(f"{call.arguments_edit}; the approvals start again "
+                                       "on the edited arguments"))
                 return
             typer.echo(visible(f"decided: {'approved' if approved else 'rejected'} interrupt "
                                f"{interrupt_id} as {who}; call {call.key if call else '?'} is "

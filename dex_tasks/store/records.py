@@ -150,6 +150,9 @@ class PendingInterrupt(BaseModel):
     """Who approved so far, in order (when several approvals are needed)."""
     approver_permission: str | None = None
     """The permission an approver's token must hold, if the policy names one."""
+    original_arguments: dict[str, Any] | None = None
+    """The model's arguments when a person edited them while more approvals are needed
+    (``arguments`` are the edited version, which the approvals are for)."""
 
 
 class Decision(BaseModel):
@@ -186,7 +189,10 @@ class SessionMessage(BaseModel):
     and it has the call's ``turn_id``, ``tool_call_id``, ``tool``, ``key``, ``call_status``,
     ``tool_arguments`` (the arguments as JSON text) and ``tool_output``: the result as JSON
     text if the call succeeded, its error text otherwise (so an unknown outcome's contains
-    ``OUTCOME_UNKNOWN_TOOL_RESULT``).
+    ``OUTCOME_UNKNOWN_TOOL_RESULT``). A tool message's ``text`` is None, except when a person
+    approved edited arguments: then it is the edit note the model reads
+    (``the arguments were edited before approval: ...``; ``dex_tasks.tool_message_text``
+    renders the message as the model reads it).
     """
 
     id: int

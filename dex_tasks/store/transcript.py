@@ -10,6 +10,13 @@ Everything is one table, ``dex_messages``, read oldest first (``session_snapshot
 * assistant messages (:func:`add_assistant_message`) are the model's text, which the agent
   process records so that the transcript is the whole conversation.
 
+The transcript is rendered here for every reader (``session_snapshot``, ``DexClient``, the HTTP
+API, the page): the tool message of a call a person approved with edited arguments has the
+edit note as its ``text`` (``the arguments were edited before approval: amount_cents 50000 ->
+9000``), from the call's ``original_arguments`` (one small query per transcript read: the
+session's edited calls). :func:`tool_message_text` is what the
+model reads for a call, note first; every framework adapter gives the model that.
+
 One rule about reports of unknown outcomes lives here, because every reconciler (the seeds'
 sample, :func:`dex_tasks.agent.reconcile.report_unknown_outcomes`, beat's per-tool checkers) writes
 its report with :func:`send_user_message`: a user message whose text ends in
@@ -21,6 +28,7 @@ still leave one report.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -40,7 +48,7 @@ from dex_tasks.store import (
     deliver_ready_messages,
     lock_session_messages,
 )
-from dex_tasks.store.records import SessionMessage
+from dex_tasks.store.records import SessionMessage, ToolCallRecord, edit_note
 
 log = logging.getLogger("dex_tasks.store.transcript")
 
@@ -195,6 +203,34 @@ def _read_one(conn: Connection, message_id: int) -> SessionMessage:
     return SessionMessage.from_row(dict(row))
 
 
+# The calls of a session a person approved with edited arguments: usually none, read by the
+# session index, so rendering a transcript costs one small query, not a join per message.
+_EDITED_CALLS = select(CALLS.c.key, CALLS.c.original_arguments).where(
+    CALLS.c.session_id == bindparam("e_session"), CALLS.c.original_arguments.is_not(None))
+
+
+def with_edit_notes(conn: Connection, session_id: str,
+                    messages: list[SessionMessage]) -> list[SessionMessage]:
+    """The messages as the transcript shows them: the tool message of a call approved with
+    edited arguments has the edit note as its text."""
+    if not any(m.role is MessageRole.TOOL for m in messages):
+        return messages
+    originals: dict[str, str] = {
+        row.key: row.original_arguments
+        for row in conn.execute(_EDITED_CALLS, {"e_session": session_id})}
+    if not originals:
+        return messages
+    return [_noted(m, originals.get(m.key)) if m.role is MessageRole.TOOL and m.key else m
+            for m in messages]
+
+
+def _noted(message: SessionMessage, original: str | None) -> SessionMessage:
+    if original is None or message.tool_arguments is None:
+        return message
+    note = edit_note(json.loads(original), json.loads(message.tool_arguments))
+    return message.model_copy(update={"text": note})
+
+
 def session_messages(conn: Connection, session_id: str) -> list[SessionMessage]:
     """The session's transcript, oldest first, read in the caller's transaction.
 
@@ -205,7 +241,27 @@ def session_messages(conn: Connection, session_id: str) -> list[SessionMessage]:
     rows = conn.execute(
         select(MESSAGES).where(MESSAGES.c.session_id == session_id).order_by(MESSAGES.c.id)
     ).mappings().all()
-    return [SessionMessage.from_row(dict(row)) for row in sorted(rows, key=transcript_order)]
+    return with_edit_notes(conn, session_id, [SessionMessage.from_row(dict(row))
+                                              for row in sorted(rows, key=transcript_order)])
+
+
+def tool_message_text(call: ToolCallRecord | SessionMessage, output: str | None = None) -> str:
+    """What the model reads for an ended call (a record, or its tool message): ``output``
+    (default: the result as JSON text, or the error text), after the edit note in parentheses
+    on a line of its own when a person approved edited arguments, so the model knows that the
+    tool ran with other arguments than it asked for."""
+    if isinstance(call, SessionMessage):
+        note = call.text
+        if output is None:
+            status = call.call_status.value if call.call_status else "unknown"
+            output = call.tool_output or f"the tool call ended {status}"
+    else:
+        note = call.arguments_edit
+        if output is None:
+            output = (json.dumps(call.result, ensure_ascii=False)
+                      if call.status is CallStatus.SUCCEEDED
+                      else call.error or f"the tool call ended {call.status.value}")
+    return f"({note})\n{output}" if note else output
 
 
 def transcript_order(row: Any) -> tuple[int, bool, int]:

@@ -31,6 +31,7 @@ from dex_tasks.broker.celery_app import (
 )
 from dex_tasks.errors import CallFailure
 from dex_tasks.settings import DexSettings
+from dex_tasks.states import CallStatus
 from dex_tasks.worker import hooks, webhooks
 from dex_tasks.worker.execution import (
     handle_lost_attempt,
@@ -41,8 +42,12 @@ from dex_tasks.worker.execution import (
 )
 from dex_tasks.worker.retry import celery_retry_options
 from dex_tasks.worker.sweeps import run_job
+from dex_tasks.worker.task_states import failure
 
 log = logging.getLogger("dex_tasks.worker.main_process")
+
+# The endings a lost attempt's task-failed event reports (as the child's CallFailure would).
+ENDED_BADLY = {CallStatus.FAILED.value, CallStatus.OUTCOME_UNKNOWN.value}
 
 
 class DexRequest(Request):  # type: ignore[misc]
@@ -54,7 +59,15 @@ class DexRequest(Request):  # type: ignore[misc]
     ``CallFailure`` is the body telling Celery that its call ended ``failed`` or
     ``outcome_unknown`` (already recorded), which is not a loss; Celery acknowledges it
     (``acks_on_failure``) and neither requeues nor retries it.
+
+    For a lost attempt that ended its call (``outcome_unknown``, or ``failed`` when no attempt
+    is left), the ``task-failed`` event carries the call's own ending, as the child's
+    ``CallFailure`` would have: Celery would send ``repr()`` of billiard's
+    ``ExceptionWithTraceback`` wrapper, which Flower shows as ``ExceptionWithTraceback()``.
+    Only the event changes; Celery's handling of the loss (requeue, ack) is its own.
     """
+
+    _ending: CallFailure | None = None
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True,
                    return_ok: bool = False) -> None:
@@ -64,14 +77,19 @@ class DexRequest(Request):  # type: ignore[misc]
         if isinstance(exc, TimeLimitExceeded):
             self._kill_child()
         if isinstance(exc, (WorkerLostError, TimeLimitExceeded, SystemExit)):
-            self._record_lost(exc)
+            self._ending = self._ending or self._record_lost(exc)
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         if not soft:
             self._kill_child()
-            self._record_lost(TimeLimitExceeded(timeout))
+            self._ending = self._record_lost(TimeLimitExceeded(timeout))
         super().on_timeout(soft, timeout)
+
+    def send_event(self, type: str, **fields: Any) -> None:
+        if type == "task-failed" and self._ending is not None:
+            fields["exception"] = repr(self._ending)
+        super().send_event(type, **fields)
 
     def _kill_child(self) -> None:
         # Celery runs these hooks for a hard time limit *before* it terminates the child, so
@@ -84,13 +102,15 @@ class DexRequest(Request):  # type: ignore[misc]
                 log.exception("could not kill a timed-out child",
                               extra={"action": "kill_child_error", "pid": self.worker_pid})
 
-    def _record_lost(self, exc: BaseException) -> None:
+    def _record_lost(self, exc: BaseException) -> CallFailure | None:
+        """Record the loss in the store; the call's ending if it has ended failed or
+        outcome_unknown (by this loss, or by whoever decided first)."""
         try:
             key = self.args[0]
             owner = owner_id(self.hostname, self.worker_pid) if self.worker_pid else None
             if owner is None:
                 # We cannot tell which child ran it; the lease reaper will decide safely.
-                return
+                return None
             if isinstance(exc, TimeLimitExceeded):
                 reason = f"the tool was killed by its hard time limit ({exc.args[0]}s)"
             else:
@@ -99,9 +119,15 @@ class DexRequest(Request):  # type: ignore[misc]
             # (reject_on_worker_lost) and for a hard time limit (acks_on_timeout=False), so no
             # new message is needed. Requeueing the message that was running also covers a
             # child killed after it recorded a retry but before it sent the retry's message.
-            handle_lost_attempt(runtime(self.task.app), key, owner, reason, republish=False)
+            rt = runtime(self.task.app)
+            handle_lost_attempt(rt, key, owner, reason, republish=False)
+            call = rt.store.get_call(key)
         except Exception:
             log.exception("could not record a lost attempt", extra={"action": "lost_hook_error"})
+            return None
+        if call is None or call.status not in ENDED_BADLY:
+            return None
+        return failure(CallStatus(call.status), call.error)
 
 
 class DexConsumer(Consumer):  # type: ignore[misc]

@@ -187,8 +187,6 @@
       edit.value = pretty(item.arguments);
       edit.addEventListener("input", () => { edit.dataset.touched = "true"; }, { once: true });
     }
-    const editBox = card.querySelector(".edit");
-    if (editBox) editBox.hidden = needed > 1;  // edits need a single approver
     const call = callsByKey.get(item.key);
     card.dataset.status = call ? call.status : "awaiting_approval";
     tickCard(card);
@@ -399,6 +397,8 @@
         const first = eventCursor === null;
         if (first) eventCursor = snapshot.event_cursor;
         render(snapshot);
+        // Beat's state as /healthz reads it: each read of the session says it again.
+        $("beat-late").hidden = snapshot.beat !== "late";
         // The first read is the transcript's tail; later ones page forward until done.
         if (first) $("transcript-earlier").hidden = !snapshot.messages_more;
         else if (snapshot.messages_more) scheduleRefresh();
