@@ -207,22 +207,28 @@ class Lab:
                                             CALLS.c.error)
                                      .where(CALLS.c.key.in_(self.keys))))
 
-    lost_session_gone: float = float("nan")
+    lost_locks_gone: float = float("nan")
 
     def watch_backend(self, engine: Any, pid: int, timeout: float = 120.0) -> None:
-        """Note when the server session ``pid`` ends (the lost host's, freeing its locks)."""
+        """Note when the server session ``pid`` (the lost host's) holds no lock any more: it
+        ended, or its write committed and left it idle outside any transaction.
+
+        A move that is one statement in autocommit (PostgreSQL's terminal move) commits as soon
+        as the lock it waits for is free, whether or not its answer can reach the lost host;
+        a move inside a transaction holds its locks until the server ends the session
+        (``DEX_STORE_IDLE_IN_TRANSACTION_SECONDS``)."""
         deadline = time.time() + timeout
         try:
             with engine.connect() as conn:
                 while time.time() < deadline:
-                    alive = conn.execute(text("SELECT count(*) FROM pg_stat_activity "
-                                              "WHERE pid = :pid"), {"pid": pid}).scalar_one()
+                    held = conn.execute(text("SELECT count(*) FROM pg_locks WHERE pid = :pid "
+                                             "AND granted"), {"pid": pid}).scalar_one()
                     conn.commit()
-                    if not alive:
-                        self.lost_session_gone = time.time()
+                    if not held:
+                        self.lost_locks_gone = time.time()
                         return
                     time.sleep(0.2)
-        except Exception:  # noqa: BLE001 - the lab is closing: the session never ended
+        except Exception:  # noqa: BLE001 - the lab is closing: the locks were never released
             return
 
     def why_open(self, key: str) -> str:
@@ -347,7 +353,7 @@ def lost_in_transaction(lab: Lab, *, load_after: float = 30.0) -> Result:
     watcher.join(1)
     result = lab.verdict("P1 host lost inside a transaction", fault, gap_from=fault,
                          gap_to=load_end)
-    result.extra["lost_session_gone_after"] = lab.lost_session_gone - fault
+    result.extra["lost_locks_gone_after"] = lab.lost_locks_gone - fault
     _bound_gap(lab, result)
     return result
 

@@ -50,9 +50,11 @@ def test_host_lost_inside_a_transaction_blocks_nobody_for_long(partition_db: str
     print(result.line())
     assert result.problems == [], result.line()
     assert result.calls > 40 and result.duplicates == 0
-    # PostgreSQL ended the lost host's session (and so released its row and session locks)
-    # at DEX_STORE_IDLE_IN_TRANSACTION_SECONDS (10 s); it had held them for ever before.
-    assert 5 <= result.extra["lost_session_gone_after"] <= 20, result.line()
+    # The lost host's row and session locks went within DEX_STORE_IDLE_IN_TRANSACTION_SECONDS
+    # (10 s) and a margin: its terminal move is one statement in autocommit, which commits as
+    # soon as the lock it waited for is free (a transaction's would be ended by the server at
+    # that bound; they had been held for ever before issue 19).
+    assert 0 <= result.extra["lost_locks_gone_after"] <= 20, result.line()
     assert result.longest_gap <= 12, result.line()
 
 
