@@ -464,6 +464,31 @@ def test_a_call_costs_a_worker_two_writes_and_delivery_only_when_a_message_waits
     assert waiting == [*claim, *finish, "UPDATE dex_messages", "COMMIT"]
 
 
+def test_a_calls_end_is_announced_only_after_the_messages_it_released_are_delivered(
+    store: Store,
+) -> None:
+    from dex_tasks.store.transcript import send_user_message, session_messages
+
+    # Given a running call whose session has a user message waiting for its turn to end,
+    # and a hook that reads the session when the call's end is announced (as a waiter does)
+    store.insert_call(call_row("s1/t/c"))
+    assert send_user_message(store, "s1", "and the shipping") is not None
+    seen: list[list[str | None]] = []
+
+    def announced(_ended: Any) -> None:
+        with store.read() as conn:
+            seen.append([m.status for m in session_messages(conn, "s1")
+                         if m.role.value == "user"])
+
+    store.on_calls_ended(announced)
+    assert store.claim("s1/t/c", "w@h:1", 30.0, lambda row: None) is not None
+    # When the call ends (one statement on PostgreSQL, the delivery in a transaction of its
+    # own), then the announcement came after the delivery: the waiter reads it delivered
+    assert store.transition("s1/t/c", CallStatus.SUCCEEDED, allowed={CallStatus.RUNNING},
+                            match={"worker": "w@h:1"}, values={"result": "1"})
+    assert seen == [["delivered"]]
+
+
 def test_set_based_statements_find_their_calls_by_key_among_many_in_one_status(
     store: Store,
 ) -> None:

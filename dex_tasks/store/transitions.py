@@ -46,7 +46,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import ClauseElement, ColumnElement
 
-from dex_tasks.errors import IllegalTransitionError
+from dex_tasks.errors import DexError, IllegalTransitionError
 from dex_tasks.states import ALLOWED_FROM, CallStatus, MessageRole
 from dex_tasks.store.base import StoreBase, note_ended
 from dex_tasks.store.connections import store_now
@@ -307,31 +307,42 @@ class Transitions(StoreBase):
 
         A statement whose reply was lost may have committed: the retry finds nothing to move,
         and :meth:`_landed` then recognises the row that try left (its values, its
-        ``updated_at``), taken as won. A call that ended is announced after the statement
-        (the hooks of :meth:`committing`), and the user messages its end releases are
-        delivered in a transaction of their own."""
+        ``updated_at``), taken as won. The user messages a call's end releases are delivered
+        in a transaction of their own, and only then is the end announced (the hooks of
+        :meth:`committing` run once ``attempt`` has returned): a waiter woken by the end reads
+        the session as the transaction form leaves it, its messages delivered."""
         bound = {**params, "ev_now": now,
                  "ev_detail": json.dumps(dict(detail), default=str) if detail else None}
 
-        def attempt(conn: Connection, n: int) -> tuple[Any, bool] | None:
+        def attempt(conn: Connection, n: int) -> Any | None:
             row = conn.execute(stmt, bound).first()
             if row is not None:
                 if to.terminal:
                     note_ended(conn, key, to, row, now)
-                return row, to.terminal and bool(row.queued)
+                    if row.queued:
+                        self._deliver_released(row.session_id, now)
+                return row
             # After a lost reply, the first try may have committed (and found messages
             # waiting): a landed terminal move delivers them again, which is idempotent.
             landed = self._landed(conn, key, to, written, now) if n > 1 else None
-            return None if landed is None else (landed, to.terminal)
+            if landed is not None and to.terminal:
+                self._deliver_released(landed.session_id, now)
+            return landed
 
-        moved = self._retrying(attempt, single=True)
-        if moved is None:
-            return None
-        row, queued = moved
-        if queued:
+        return self._retrying(attempt, single=True)
+
+    def _deliver_released(self, session_id: str, now: float) -> None:
+        """Deliver the queued user messages of a session whose call just ended, in a
+        transaction of its own. A store that cannot be reached now leaves them queued for the
+        sweep that delivers them (``deliver_messages``), never failing the move that
+        committed."""
+        try:
             with self.write() as tx:
-                deliver_ready_messages(tx, now, row.session_id)
-        return row
+                deliver_ready_messages(tx, now, session_id)
+        except DexError as err:
+            log.warning("the messages a call's end released are left to the sweep",
+                        extra={"action": "delivery_deferred", "session_id": session_id,
+                               "error": str(err)[:300]})
 
     def _transition_in(
         self,
