@@ -22,6 +22,13 @@ from tests.helpers import RedisServer, WorkerProcess, free_port, start_process
 
 POSTGRES_URL = os.environ.get("DEX_TEST_POSTGRES_URL", "")
 
+# Offline: CrewAI (imported by its adapter's tests) would otherwise send OpenTelemetry traces to
+# its telemetry host from a background thread, whose retries also draw on the `random` module
+# while other tests' Hypothesis strategies run (a HypothesisDeprecationWarning, an error here).
+# Set before any test imports crewai; worker and agent subprocesses inherit it.
+os.environ.setdefault("CREWAI_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("OTEL_SDK_DISABLED", "true")
+
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
