@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,6 +72,21 @@ def tool_starts(ledger_path: Path) -> dict[str, int]:
     return counts
 
 
+def killed_while_charging_then_at_the_refund(env: dict[str, str], log: Path, client: DexClient,
+                                             ledger_path: Path) -> list[Any]:
+    """Two agent processes: one killed while its charge runs on the worker, the next killed
+    once its refund awaits a person; the pending interrupts."""
+    agent = Agent(env, log)
+    wait_until(lambda: tool_starts(ledger_path).get("charge_card") == 1, 60, "the charge")
+    agent.kill()
+    agent = Agent(env, log)
+    pending: list[Any] = wait_until(
+        lambda: client.get_agent_snapshot(SESSION).pending_interrupts, 60,
+        "the refund to await approval")
+    agent.kill()
+    return pending
+
+
 @pytest.mark.long  # make chaos; in make test: the short chain below
 @pytest.mark.parametrize("framework", sorted(AGENTS))
 @pytest.mark.timeout(300)  # six agent processes importing their framework: slow on a busy machine
@@ -100,16 +116,9 @@ def test_an_agent_killed_at_every_point_of_a_turn_starts_each_tool_once_and_asks
 
     # 3. Restart 2: step 0 is replayed (same call id, same key): the call is sent once; killed
     #    while the charge runs on the worker.
-    agent = Agent(env, log)
-    wait_until(lambda: tool_starts(ledger_path).get("charge_card") == 1, 60, "the charge")
-    agent.kill()
-
     # 4. Restart 3: the charge is awaited, not started again; the model asks for a refund,
     #    which waits for a person; killed while it waits.
-    agent = Agent(env, log)
-    pending = wait_until(lambda: client.get_agent_snapshot(SESSION).pending_interrupts, 60,
-                         "the refund to await approval")
-    agent.kill()
+    pending = killed_while_charging_then_at_the_refund(env, log, client, ledger_path)
     assert client.get_tool_call(charge.key).status is CallStatus.SUCCEEDED
     assert answers(log) == {0: 1, 1: 1}
     assert client.resolve_interrupt(SESSION, pending[0].interrupt_id, approved=True)
@@ -142,15 +151,9 @@ def test_an_agent_killed_while_its_charge_runs_never_starts_it_again(
     start_worker(concurrency=2)
     env = {**env, "DEX_TEST_AGENT": AGENTS[framework]}
     log = tmp_path / "model.jsonl"
-    # Given an agent killed while its charge runs on the worker
-    agent = Agent(env, log)
-    wait_until(lambda: tool_starts(ledger_path).get("charge_card") == 1, 60, "the charge")
-    agent.kill()
-    # When it is started again, the plain way, and reaches its refund (which awaits a person)
-    agent = Agent(env, log)
-    wait_until(lambda: client.get_agent_snapshot(SESSION).pending_interrupts, 60,
-               "the refund to await approval")
-    agent.kill()
+    # Given an agent killed while its charge runs on the worker; when it is started again, the
+    # plain way, and reaches its refund (which awaits a person)
+    killed_while_charging_then_at_the_refund(env, log, client, ledger_path)
     # Then the charge was awaited, not started again, and the model decided each step once
     (charge, refund) = client.get_agent_snapshot(SESSION).tool_calls
     assert client.get_tool_call(charge.key).status is CallStatus.SUCCEEDED
