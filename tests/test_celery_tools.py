@@ -239,8 +239,9 @@ def test_flower_shows_the_outcome_unknown_error_for_a_child_killed_mid_call(
     assert "ExceptionWithTraceback" not in task["exception"]
     assert "the worker process running the tool was lost" in task["exception"]
     # And so does the event dump
-    failed = next(e for e in _dumped_events(dump_path.read_text())
-                  if e.key == key and e.type == "failed")
+    failed = wait_until(lambda: next((e for e in _dumped_events(dump_path.read_text())
+                                      if e.key == key and e.type == "failed"), None), 30,
+                        "the event dump to see the killed call fail")
     assert "exception=CallOutcomeUnknown(" in failed.rest, failed.rest
     assert worker.proc.poll() is None  # the worker itself lives on
 

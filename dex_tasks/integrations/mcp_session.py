@@ -67,13 +67,6 @@ IDEMPOTENCY_META_KEY = "dex/idempotency_key"
 proposed one); a server that reads this entry can drop duplicates."""
 
 _LIST_PAGES_MAX = 1000
-# A session idle this long is pinged before a call is sent on it: a server that died while
-# the session sat idle is found before the call leaves (then it did not run and a new session
-# serves it), not after (then it might have run, and ends outcome_unknown). Like a connection
-# pool's pre-ping; a ping is never a tool call, so losing one costs nothing.
-PING_AFTER_IDLE_SECONDS = 1.0
-"""Seconds a session may sit idle before the next call pings it first."""
-_PING_TIMEOUT_SECONDS = 5.0
 # What an HTTP client raises when a request never reached the server: no connection was made.
 _NOT_CONNECTED = (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout)
 
@@ -331,7 +324,6 @@ class _Session:
         self.on_wire: set[str] = set()
         self.did_not_run: set[str] = set()
         self.retired = False
-        self.last_used = time.monotonic()
         self._ready = asyncio.Event()
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -457,11 +449,8 @@ class _Link:
         """Call tool ``name`` once; see the module docstring for what each failure becomes."""
         for attempt in (1, 2):
             session = await self.current()
-            if time.monotonic() - session.last_used > PING_AFTER_IDLE_SECONDS:
-                session = await self._alive(session)
             assert session.client is not None
             try:
-                session.last_used = time.monotonic()
                 return await session.client.call_tool(
                     name, arguments, read_timeout_seconds=self.server.timeout,
                     meta=cast(RequestParamsMeta, {IDEMPOTENCY_META_KEY: key}),
@@ -495,23 +484,8 @@ class _Link:
                     ) from err
                 # It never reached the server: a fresh session may serve it.
             finally:
-                session.last_used = time.monotonic()
                 session.forget(key)
         raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _alive(self, session: _Session) -> _Session:
-        """``session`` if a ping gets its answer, else a new session (the old one retired)."""
-        assert session.client is not None
-        try:
-            await asyncio.wait_for(session.client.send_ping(), _PING_TIMEOUT_SECONDS)
-        except Exception as err:  # noqa: BLE001 - whatever broke it, the session is not usable
-            log.info("idle MCP session did not answer a ping; opening another", extra={
-                "action": "mcp_session_stale", "server": self.server.label,
-                "error": describe(err)})
-            session.retire()
-            return await self.current()
-        session.last_used = time.monotonic()
-        return session
 
     def close(self) -> None:
         """Close the session and stop the loop's thread (after listing, before a fork)."""
