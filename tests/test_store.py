@@ -427,6 +427,17 @@ def test_a_call_costs_a_worker_two_writes_and_delivery_only_when_a_message_waits
     def committed(_conn: Any) -> None:
         statements.append("COMMIT")
 
+    def traced(statement: str) -> None:
+        # What reaches SQLite itself: the hot path's statements are sent on the DB-API
+        # connection (store/driver.py), where SQLAlchemy's execute events do not see them.
+        if statement.split(None, 1)[0].upper() == "COMMIT":
+            committed(None)
+        else:
+            seen(None, None, statement)
+
+    def trace_sqlite(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.set_trace_callback(traced)
+
     def run_call(key: str) -> list[str]:
         statements.clear()
         assert store.claim(key, "w@h:1", 30.0, lambda row: None) is not None
@@ -438,8 +449,12 @@ def test_a_call_costs_a_worker_two_writes_and_delivery_only_when_a_message_waits
     store.insert_call(call_row("s2/t/c"))
     sent = send_user_message(store, "s2", "while the turn runs")
     assert sent is not None and sent.status == "queued"
-    event.listen(store.engine, "before_cursor_execute", seen)
-    event.listen(store.engine, "commit", committed)
+    if store.is_sqlite:
+        store.engine.dispose()  # new connections, traced from their start
+        event.listen(store.engine, "connect", trace_sqlite)
+    else:
+        event.listen(store.engine, "before_cursor_execute", seen)
+        event.listen(store.engine, "commit", committed)
     try:
         # A call of a session with no message waiting: claim (UPDATE ... RETURNING, its event)
         # and finish (UPDATE ... RETURNING, its event, which says no message waits)
@@ -447,8 +462,12 @@ def test_a_call_costs_a_worker_two_writes_and_delivery_only_when_a_message_waits
         # A call whose session has a message waiting: the delivery statement runs too
         waiting = run_call("s2/t/c")
     finally:
-        event.remove(store.engine, "before_cursor_execute", seen)
-        event.remove(store.engine, "commit", committed)
+        if store.is_sqlite:
+            event.remove(store.engine, "connect", trace_sqlite)
+            store.engine.dispose()
+        else:
+            event.remove(store.engine, "before_cursor_execute", seen)
+            event.remove(store.engine, "commit", committed)
     if store.is_postgres:
         # One statement each, in autocommit (one round trip, no COMMIT of their own); the
         # delivery, when a message waits, in a transaction of its own

@@ -29,7 +29,7 @@ from sqlalchemy.exc import IntegrityError
 from dex_tasks.errors import PrunedCallError
 from dex_tasks.policy import EffectClass
 from dex_tasks.states import CallStatus
-from dex_tasks.store import webhooks
+from dex_tasks.store import driver, webhooks
 from dex_tasks.store.base import StoreBase
 from dex_tasks.store.models import CallEventRow, CatalogRow, ToolCallRow
 from dex_tasks.store.tables import (
@@ -44,6 +44,9 @@ from dex_tasks.store.tables import (
 )
 
 _GET_CALL = select(CALLS).where(CALLS.c.key == bindparam("get_key"))
+# The tombstone of one key (see ``_refuse_pruned``), a statement built once.
+_PRUNED_KEY = select(EVENTS.c.key).where(EVENTS.c.key == bindparam("pruned_key"),
+                                         EVENTS.c.event == PRUNED_EVENT)
 
 
 
@@ -134,12 +137,15 @@ class Calls(StoreBase):
         def attempt(conn: Connection, n: int) -> None:
             nonlocal tries
             tries = n
-            _refuse_pruned(conn, [row])
-            conn.execute(INSERT_CALL, dict(row))
+            # One call's statements are prepared on SQLite's DB-API connection (store.driver)
+            if (not EffectClass(row["effect"]).retrying
+                    and driver.run(conn, _PRUNED_KEY, {"pruned_key": row["key"]})):
+                raise PrunedCallError(row["key"])
+            driver.run(conn, INSERT_CALL, row)
             if interrupt is not None:
                 conn.execute(INSERT_INTERRUPT, dict(interrupt))
                 webhooks.announce(conn, self, webhooks.AWAITING, [(row, interrupt)])
-            conn.execute(INSERT_EVENT, requested_event(row, requested))
+            driver.run(conn, INSERT_EVENT, requested_event(row, requested))
 
         try:
             self._retrying(attempt)

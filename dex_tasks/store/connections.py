@@ -28,6 +28,7 @@ from sqlalchemy.sql.functions import FunctionElement
 from sqlmodel import create_engine
 
 from dex_tasks.settings import DexSettings
+from dex_tasks.store.driver import run_text
 
 # Database connections a forked child inherited from its parent. The child never uses them
 # (see _guard_fork) and never closes them either: closing would end the parent's PostgreSQL
@@ -93,12 +94,13 @@ def sqlite_engine(url: str, *, immediate: bool) -> Engine:
         # for the write lock than the others; the pragma runs only when the bound changes.
         bounds = _BOUNDS.get()
         busy_ms = int(1000 * (bounds.lock if bounds else SQLITE_BUSY_SECONDS))
+        # (On the DB-API connection: SQLAlchemy's execute costs more than the BEGIN itself.)
         if conn.info.get("dex_busy_ms") != busy_ms:
-            conn.exec_driver_sql(f"PRAGMA busy_timeout={busy_ms}")
+            run_text(conn, f"PRAGMA busy_timeout={busy_ms}")
             conn.info["dex_busy_ms"] = busy_ms
         # Writers take the lock up front: a deferred transaction that reads and then writes can
         # fail with SQLITE_BUSY at once instead of waiting on busy_timeout.
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+        run_text(conn, "BEGIN IMMEDIATE" if immediate else "BEGIN")
 
     return engine
 

@@ -20,6 +20,7 @@ from sqlalchemy import bindparam, literal, select, update
 from sqlalchemy.engine import Connection
 
 from dex_tasks.states import CallStatus
+from dex_tasks.store import driver
 from dex_tasks.store.connections import store_now
 from dex_tasks.store.models import ToolCallRow
 from dex_tasks.store.tables import CALLS, readable_calls, status_by_key
@@ -127,7 +128,8 @@ class Leases(Transitions):
         params = {"c_key": key, "c_worker": owner, "c_lease": lease_seconds, "c_now": now}
 
         def attempt(tx: Connection, n: int) -> tuple[Any, V] | None:
-            row = tx.execute(_CLAIM, params).first()
+            rows = driver.run(tx, _CLAIM, params)  # prepared on the DB-API connection
+            row = rows[0] if rows else None
             if row is None:
                 landed = n > 1 and self._landed(tx, key, CallStatus.RUNNING,
                                                 {"worker": owner, "updated_at": now}, now)

@@ -38,6 +38,7 @@ from sqlalchemy import (
     cast,
     func,
     insert,
+    literal,
     literal_column,
     or_,
     select,
@@ -48,6 +49,7 @@ from sqlalchemy.sql.elements import ClauseElement, ColumnElement
 
 from dex_tasks.errors import DexError, IllegalTransitionError
 from dex_tasks.states import ALLOWED_FROM, CallStatus, MessageRole
+from dex_tasks.store import driver
 from dex_tasks.store.base import StoreBase, note_ended
 from dex_tasks.store.connections import store_now
 from dex_tasks.store.delivery import (
@@ -107,8 +109,11 @@ def _guarded_update(to: CallStatus, sources: frozenset[CallStatus], match: tuple
                              if claim else {})
     return (
         update(CALLS)
+        # The sources as one bound value each, not an IN list expanded per execution, so the
+        # statement compiles once for the driver (``store.driver``).
         .where(CALLS.c.key == bindparam("t_key"),
-               CALLS.c.status.in_(sorted(s.value for s in sources)),
+               CALLS.c.status.in_([literal(s.value, CALLS.c.status.type)
+                                   for s in sorted(sources)]),
                *(CALLS.c[k] == bindparam(f"m_{k}") for k in match))
         # SET evaluates right-hand sides against the old row, so prev_status keeps the status
         # we moved from, for the event row.
@@ -354,7 +359,11 @@ class Transitions(StoreBase):
         detail: Mapping[str, Any] | None,
         now: float,
     ) -> Any | None:
-        row = (conn.execute(stmt, params) if params is not None else conn.execute(stmt)).first()
+        if params is not None:  # a statement built once per shape: prepared on SQLite
+            rows = driver.run(conn, stmt, params)
+            row = rows[0] if rows else None
+        else:
+            row = conn.execute(stmt).first()
         if row is None:
             return None
         # A terminal move on PostgreSQL took the session's delivery lock in its RETURNING.
@@ -385,22 +394,21 @@ class Transitions(StoreBase):
         if not events:
             return
         if not to.terminal:
-            conn.execute(INSERT_EVENT, events[0] if len(events) == 1 else events)
+            driver.run_many(conn, INSERT_EVENT, events)
             return
         for row in moved:
             note_ended(conn, row.key, to, row, now)
-        messages = [_tool_message(row, to, now) for row in moved]
-        conn.execute(INSERT_MESSAGE, messages[0] if len(messages) == 1 else messages)
+        driver.run_many(conn, INSERT_MESSAGE, [_tool_message(row, to, now) for row in moved])
         sessions: list[str] = sorted({e["session_id"] for e in events})
         if self.is_postgres and not locked:
             conn.execute(DELIVERY_LOCK_MANY, {"space": DELIVERY_LOCK_SPACE,
                                                "sessions": sessions})
         if len(events) == 1:
-            queued = conn.execute(INSERT_EVENT_QUEUED,
-                                  {**events[0], "queued_session": sessions[0]}).scalar_one()
+            queued = driver.run(conn, INSERT_EVENT_QUEUED,
+                                {**events[0], "queued_session": sessions[0]})[0].queued
             waiting = sessions if queued else []
         else:
-            conn.execute(INSERT_EVENT, events)
+            driver.run_many(conn, INSERT_EVENT, events)
             waiting = list(conn.execute(SESSIONS_WITH_QUEUED,
                                         {"queued_sessions": sessions}).scalars())
         for session_id in waiting:
