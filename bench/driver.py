@@ -38,7 +38,7 @@ from dex_tasks.store.connections import store_now
 OWNER = "bench@host:1"
 
 
-def _row(key: str, now: float) -> dict[str, Any]:
+def call_row(key: str, now: float) -> dict[str, Any]:
     return {"key": key, "session_id": key.split("/")[0], "turn_id": "t",
             "tool_call_id": key.split("/")[-1], "tool": "noop", "arguments": '{"n":1}',
             "effect": "read", "requires_approval": False, "max_attempts": 3, "time_limit": None,
@@ -131,7 +131,7 @@ def _store_call(store: Store, key: str) -> None:
 
 def _cte_insert() -> Any:
     """``call_tool``'s two inserts as one PostgreSQL statement (a data-modifying CTE)."""
-    row = _row("s/t/c", 0.0)
+    row = call_row("s/t/c", 0.0)
     new = (insert(CALLS)
            .values({k: bindparam(f"c_{k}", type_=CALLS.c[k].type) for k in row})
            .returning(CALLS.c.key, CALLS.c.session_id, CALLS.c.status, CALLS.c.created_at)
@@ -147,11 +147,11 @@ REQUESTED = {"default_effect": None}  # the request options call_tool keeps in t
 
 
 def _insert_store(store: Store, key: str) -> None:
-    store.insert_call(_row(key, time.time()), requested=REQUESTED)
+    store.insert_call(call_row(key, time.time()), requested=REQUESTED)
 
 
 def _insert_cte(store: Store, statement: Any, key: str) -> None:
-    params = {f"c_{k}": v for k, v in _row(key, time.time()).items()}
+    params = {f"c_{k}": v for k, v in call_row(key, time.time()).items()}
     with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(statement, {**params, "e_detail": json.dumps({"request": REQUESTED})})
 
@@ -175,7 +175,7 @@ def time_store(kind: str, url: str, calls: int, rounds: int) -> list[dict[str, A
                 keys = [f"{name}{rnd}/t/c{i}" for i in range(calls)]
                 if not name.startswith("insert"):
                     for key in keys:
-                        store.insert_call(_row(key, time.time()))
+                        store.insert_call(call_row(key, time.time()))
                 run = variants[name][1]
                 start = time.perf_counter()
                 for key in keys:

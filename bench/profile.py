@@ -5,7 +5,9 @@ cProfile, set beside Celery's ``apply_async`` of a no-op task on the same Redis.
 calls stay queued, which is all the producer sees. The tools' catalog is published by a
 subprocess, as a worker would, so this process looks its tools up like an agent does. The
 summary lists the functions with the most time of their own, and the share of the whole that
-the store, Redis (kombu, redis-py) and dex-tasks' own Python take.
+the store, Redis (kombu, redis-py) and dex-tasks' own Python take. Beside them: the p50 of the
+store write alone (``Store.insert_call``) and, on PostgreSQL, of one durable commit of a trivial
+row, the floor any durable write of a call stands on.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import raw_tasks
+from bench.driver import REQUESTED, call_row
 from bench.infra import READ_TOOL, RedisServer, fresh_store, median, save_results
 from bench.roundtrips import publish_catalog
 from bench.targets import check, print_targets
@@ -94,6 +97,11 @@ def run_profile(*, stores: list[str], postgres_url: str | None, calls: int, top:
                 client.call_tool(session_id=f"w-{kind}", turn_id="t", tool_call_id=f"w{i}",
                                  tool=READ_TOOL)
             p50 = median(_timed(lambda i, one=one: one(i + calls), calls))
+            # What holds call_tool back: its store write alone (the call and its first event,
+            # one durable commit), and on PostgreSQL one durable commit of a trivial row.
+            insert_p50 = median(_timed(lambda i, c=client, k=kind: c.store.insert_call(
+                call_row(f"i-{k}-{i // 10}/t/c{i}", time.time()), requested=REQUESTED), calls))
+            floor_p50 = _durable_commit_p50(client, calls) if kind == "postgres" else None
             profile = cProfile.Profile()
             profile.enable()
             for i in range(calls):
@@ -110,6 +118,9 @@ def run_profile(*, stores: list[str], postgres_url: str | None, calls: int, top:
             results[kind] = {"call_tool_p50_ms": round(p50 * 1000, 3),
                              "apply_async_p50_ms": round(raw_p50 * 1000, 3),
                              "ratio": round(p50 / raw_p50, 3),
+                             "insert_call_p50_ms": round(insert_p50 * 1000, 3),
+                             "durable_commit_p50_ms": (round(floor_p50 * 1000, 3)
+                                                       if floor_p50 is not None else None),
                              "burst_call_tools_s": round(burst_s, 3),
                              "burst_apply_async_s": round(raw_burst_s, 3),
                              **_summary(profile, calls, top)}
@@ -123,11 +134,31 @@ def run_profile(*, stores: list[str], postgres_url: str | None, calls: int, top:
                                     "stores": results, "targets": targets}, out_dir, console)
 
 
+def _durable_commit_p50(client: DexClient, calls: int) -> float:
+    """PostgreSQL: the p50 of one autocommit INSERT of a trivial row on the DB-API
+    connection, ``synchronous_commit`` on: the least any durable write of a call costs."""
+    raw = client.store.engine.raw_connection()
+    try:
+        driver: Any = raw.driver_connection
+        driver.autocommit = True
+        driver.execute("CREATE TABLE IF NOT EXISTS bench_commit_floor (k text primary key)")
+        times = _timed(lambda i: driver.execute(
+            "INSERT INTO bench_commit_floor VALUES (%s)", (f"k{i}",)), calls)
+        driver.execute("DROP TABLE bench_commit_floor")
+        return median(times)
+    finally:
+        raw.close()
+
+
 def _print(console: Console, results: dict[str, Any], calls: int) -> None:
     for kind, r in results.items():
+        floor = (f", one durable commit of a trivial row {r['durable_commit_p50_ms']} ms"
+                 if r["durable_commit_p50_ms"] is not None else "")
         console.print(
             f"[bold]{kind}[/bold]: call_tool p50 {r['call_tool_p50_ms']} ms vs apply_async "
-            f"{r['apply_async_p50_ms']} ms ({r['ratio']}x); {calls} calls in one call_tools "
+            f"{r['apply_async_p50_ms']} ms ({r['ratio']}x); its store write alone "
+            f"(Store.insert_call) {r['insert_call_p50_ms']} ms{floor}; {calls} calls in one "
+            "call_tools "
             f"{r['burst_call_tools_s']} s vs {calls} apply_async {r['burst_apply_async_s']} s; "
             "own time by area: " + ", ".join(f"{k} {v:.0%}" for k, v in r["areas"].items()))
         table = Table(title=f"call_tool under cProfile, {kind}: most time of their own")

@@ -380,8 +380,8 @@ class DexClient:
             return False
         # Recorded with no publish time: until this lands, the republisher (after a few
         # seconds) and the next request of the key send a call whose recorder died before
-        # its publish. Written off this path, one UPDATE for many calls.
-        self.store.mark_published_soon([call.key for call in calls])
+        # its publish. Written off this path for new calls, one UPDATE for many.
+        self.store.mark_sent(calls)
         return True
 
     def _end_invalid(self, calls: Sequence[NewCall],
