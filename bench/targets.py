@@ -39,7 +39,10 @@ TARGETS: dict[str, Target] = {t.id: t for t in (
            1.5, "x"),
     Target("one_at_a_time_vs_raw", "one call at a time, call to result in hand, vs "
            "apply_async().get() (p50)", "<=", 1.2, "x"),
-    # Issue 20: a burst from one agent process leaves as fast as Celery's.
+    # Issue 20: call_tool alone within 1.5x apply_async, and a burst from one agent process
+    # leaves as fast as Celery's.
+    Target("call_tool_alone_vs_apply_async", "call_tool p50 vs apply_async p50, one at a "
+           "time, no worker running", "<=", 1.5, "x"),
     Target("burst_send_vs_raw", "calls sent from one process: call_tools (one turn) vs as "
            "many apply_async", "<=", 1.2, "x"),
     Target("io_wall_vs_raw", "one-second I/O calls, threads pool: wall time vs Celery",
@@ -61,6 +64,7 @@ COMMANDS: dict[str, str] = {
     "single_vs_read": "python -m bench throughput",
     "call_tool_vs_apply_async_p50": "python -m bench throughput",
     "one_at_a_time_vs_raw": "python -m bench latency",
+    "call_tool_alone_vs_apply_async": "python -m bench profile",
     "burst_send_vs_raw": "python -m bench profile",
     "io_wall_vs_raw": "python -m bench io --calls 1000",
     "io_rss": "python -m bench io",
