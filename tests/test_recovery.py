@@ -14,7 +14,7 @@ import pytest
 import redis
 from sqlalchemy import text
 
-from dex_tasks import DexClient, StoreUnavailableError
+from dex_tasks import CallStatus, DexClient, StoreUnavailableError
 from dex_tasks.broker import routing
 from dex_tasks.store import Store, bounded_statements
 from dex_tasks.worker import claims
@@ -148,3 +148,43 @@ def test_a_claim_gives_up_after_its_retries_when_redis_stays_away() -> None:
     with pytest.raises(redis.ConnectionError):
         claims.try_claim(client, "key-1", "node:1", 60, retry_seconds=1.0)
     assert time.monotonic() - started < 8
+
+
+def test_a_one_statement_move_behind_a_held_row_lock_fails_fast_under_the_bounds(
+        redis_url: str, postgres_url: str) -> None:
+    # Given a running call whose row another session has locked
+    with DexClient(fast_settings(redis_url, postgres_url)) as client:
+        record = client.call_tool(session_id="s", turn_id="t", tool_call_id="c",
+                                  tool="lookup_order", arguments={"order_id": "1001"})
+        store = Store(postgres_url, retry_seconds=1.0)
+        holder = store.engine.connect()
+        try:
+            assert store.claim(record.key, "node:1", 30, lambda row: None) is not None
+            holder.execute(text("SELECT 1 FROM dex_tool_calls WHERE key = :k FOR UPDATE"),
+                           {"k": record.key})
+            # When a sweep ends it under its bounds (on PostgreSQL a move is one statement in
+            # autocommit, where a SET LOCAL of the bounds would end before the statement ran)
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailableError, match="lock timeout"):
+                with bounded_statements(20, 0.2):
+                    store.transition(record.key, CallStatus.OUTCOME_UNKNOWN,
+                                     allowed={CallStatus.RUNNING}, values={"error": "lost"})
+            # Then it gave up within its retries instead of queueing behind the lock
+            assert time.monotonic() - started < 3
+            holder.rollback()
+            # And once the lock is gone it moves at once, and the bound ended with it
+            with bounded_statements(20, 0.2):
+                assert store.transition(record.key, CallStatus.OUTCOME_UNKNOWN,
+                                        allowed={CallStatus.RUNNING},
+                                        values={"error": "lost"})
+            # (every pooled session is handed out at once, the one the move used among them)
+            pooled = [store.autocommit_engine.connect() for _ in range(6)]
+            try:
+                assert [conn.execute(text("SELECT current_setting('lock_timeout')")).scalar_one()
+                        for conn in pooled] == ["0"] * 6
+            finally:
+                for conn in pooled:
+                    conn.close()
+        finally:
+            holder.close()
+            store.close()

@@ -204,6 +204,11 @@ _BOUNDS: ContextVar[StatementBounds | None] = ContextVar("dex_statement_bounds",
 _SET_BOUNDS = select(
     func.set_config("statement_timeout", bindparam("bound_statement"), True),
     func.set_config("lock_timeout", bindparam("bound_lock"), True))
+_SET_SESSION_BOUNDS = select(
+    func.set_config("statement_timeout", bindparam("bound_statement"), False),
+    func.set_config("lock_timeout", bindparam("bound_lock"), False))
+# Marks, in a pooled connection's info, a session whose bounds were set for its session.
+_SESSION_BOUNDED = "dex_session_bounded"
 
 
 @contextmanager
@@ -251,12 +256,30 @@ def server_engine(url: str, *, ping_after_idle: float | None,
 
     @event.listens_for(engine, "begin")
     def _bound(conn: Connection) -> None:
+        if conn.dialect.name != "postgresql":
+            return
         bounds = _BOUNDS.get()
-        if bounds is not None and conn.dialect.name == "postgresql":
+        autocommit = conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT"
+        if conn.info.get(_SESSION_BOUNDED) and (bounds is None or not autocommit):
+            # The bounds an earlier autocommit use left on this session (see below)
+            conn.exec_driver_sql("RESET statement_timeout; RESET lock_timeout")
+            conn.info.pop(_SESSION_BOUNDED, None)
+        if bounds is None:
+            return
+        values = {"bound_statement": f"{int(bounds.statement * 1000)}ms",
+                  "bound_lock": f"{int(bounds.lock * 1000)}ms"}
+        if not autocommit:
             # set_config(..., true) is SET LOCAL: it ends with the transaction. One statement
             # with bound values, so psycopg can prepare it like the others.
-            conn.execute(_SET_BOUNDS, {"bound_statement": f"{int(bounds.statement * 1000)}ms",
-                                       "bound_lock": f"{int(bounds.lock * 1000)}ms"})
+            conn.execute(_SET_BOUNDS, values)
+        elif not conn.info.get(_SESSION_BOUNDED):
+            # A one-statement write in autocommit (transitions.single_statement) has no
+            # transaction for a SET LOCAL to last through: it ended with its own statement,
+            # and a sweep's move then queued behind a row lock for as long as the lock was
+            # held. The bounds are set on the session instead, and reset by the next use of
+            # this connection that is not bounded.
+            conn.execute(_SET_SESSION_BOUNDS, values)
+            conn.info[_SESSION_BOUNDED] = True
     if ping_after_idle is not None:
         _ping_after_idle(engine, ping_after_idle)
     return engine
