@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import redis
 from sqlalchemy import text
+from sqlalchemy.engine import Connection
 
 from dex_tasks import CallStatus, DexClient, StoreUnavailableError
 from dex_tasks.broker import routing
@@ -88,32 +90,41 @@ def test_store_sessions_carry_the_network_bounds(database_url: str) -> None:
         store.close()
 
 
-def test_a_renewal_behind_a_held_row_lock_fails_fast_instead_of_queueing(
-        redis_url: str, postgres_url: str) -> None:
-    # Given a running call whose row another session has locked (a vanished host's session,
-    # which only the server's idle-in-transaction timeout would end)
+@contextmanager
+def _running_call_behind_a_row_lock(redis_url: str, postgres_url: str,
+                                    ) -> Iterator[tuple[Store, str, Connection]]:
+    """A call claimed by ``node:1`` whose row another session holds locked (a vanished host's
+    session, which only the server's idle-in-transaction timeout would end): the store (one
+    second of retries), the call's key and the session holding the lock."""
     with DexClient(fast_settings(redis_url, postgres_url)) as client:
         record = client.call_tool(session_id="s", turn_id="t", tool_call_id="c",
                                   tool="lookup_order", arguments={"order_id": "1001"})
         store = Store(postgres_url, retry_seconds=1.0)
+        holder = store.engine.connect()
         try:
             assert store.claim(record.key, "node:1", 30, lambda row: None) is not None
-            holder = store.engine.connect()
             holder.execute(text("SELECT 1 FROM dex_tool_calls WHERE key = :k FOR UPDATE"),
                            {"k": record.key})
-            # When the worker renews under the sweeps' bounds, it gives up within its retries
-            started = time.monotonic()
-            with pytest.raises(StoreUnavailableError, match="lock timeout"):
-                with bounded_statements(20, 0.2):
-                    store.renew_leases("node:", [record.key], 30)
-            assert time.monotonic() - started < 3
-            holder.rollback()
-            holder.close()
-            # And once the lock is gone it renews at once
-            with bounded_statements(20, 0.2):
-                assert store.renew_leases("node:", [record.key], 30) == 1
+            yield store, record.key, holder
         finally:
+            holder.close()
             store.close()
+
+
+def test_a_renewal_behind_a_held_row_lock_fails_fast_instead_of_queueing(
+        redis_url: str, postgres_url: str) -> None:
+    # Given a running call whose row another session has locked
+    with _running_call_behind_a_row_lock(redis_url, postgres_url) as (store, key, holder):
+        # When the worker renews under the sweeps' bounds, it gives up within its retries
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match="lock timeout"):
+            with bounded_statements(20, 0.2):
+                store.renew_leases("node:", [key], 30)
+        assert time.monotonic() - started < 3
+        holder.rollback()
+        # And once the lock is gone it renews at once
+        with bounded_statements(20, 0.2):
+            assert store.renew_leases("node:", [key], 30) == 1
 
 
 class _LosesFirstReply(redis.Redis):
@@ -153,38 +164,27 @@ def test_a_claim_gives_up_after_its_retries_when_redis_stays_away() -> None:
 def test_a_one_statement_move_behind_a_held_row_lock_fails_fast_under_the_bounds(
         redis_url: str, postgres_url: str) -> None:
     # Given a running call whose row another session has locked
-    with DexClient(fast_settings(redis_url, postgres_url)) as client:
-        record = client.call_tool(session_id="s", turn_id="t", tool_call_id="c",
-                                  tool="lookup_order", arguments={"order_id": "1001"})
-        store = Store(postgres_url, retry_seconds=1.0)
-        holder = store.engine.connect()
-        try:
-            assert store.claim(record.key, "node:1", 30, lambda row: None) is not None
-            holder.execute(text("SELECT 1 FROM dex_tool_calls WHERE key = :k FOR UPDATE"),
-                           {"k": record.key})
-            # When a sweep ends it under its bounds (on PostgreSQL a move is one statement in
-            # autocommit, where a SET LOCAL of the bounds would end before the statement ran)
-            started = time.monotonic()
-            with pytest.raises(StoreUnavailableError, match="lock timeout"):
-                with bounded_statements(20, 0.2):
-                    store.transition(record.key, CallStatus.OUTCOME_UNKNOWN,
-                                     allowed={CallStatus.RUNNING}, values={"error": "lost"})
-            # Then it gave up within its retries instead of queueing behind the lock
-            assert time.monotonic() - started < 3
-            holder.rollback()
-            # And once the lock is gone it moves at once, and the bound ended with it
+    with _running_call_behind_a_row_lock(redis_url, postgres_url) as (store, key, holder):
+        # When a sweep ends it under its bounds (on PostgreSQL a move is one statement in
+        # autocommit, where a SET LOCAL of the bounds ended before the statement ran)
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match="lock timeout"):
             with bounded_statements(20, 0.2):
-                assert store.transition(record.key, CallStatus.OUTCOME_UNKNOWN,
-                                        allowed={CallStatus.RUNNING},
-                                        values={"error": "lost"})
-            # (every pooled session is handed out at once, the one the move used among them)
-            pooled = [store.autocommit_engine.connect() for _ in range(6)]
-            try:
-                assert [conn.execute(text("SELECT current_setting('lock_timeout')")).scalar_one()
-                        for conn in pooled] == ["0"] * 6
-            finally:
-                for conn in pooled:
-                    conn.close()
+                store.transition(key, CallStatus.OUTCOME_UNKNOWN, allowed={CallStatus.RUNNING},
+                                 values={"error": "lost"})
+        # Then it gave up within its retries instead of queueing behind the lock
+        assert time.monotonic() - started < 3
+        holder.rollback()
+        # And once the lock is gone it moves at once
+        with bounded_statements(20, 0.2):
+            assert store.transition(key, CallStatus.OUTCOME_UNKNOWN,
+                                    allowed={CallStatus.RUNNING}, values={"error": "lost"})
+        # And the bound ended with it: every pooled session is handed out at once, the one
+        # the move used among them, and none is bounded
+        pooled = [store.autocommit_engine.connect() for _ in range(6)]
+        try:
+            assert [conn.execute(text("SELECT current_setting('lock_timeout')")).scalar_one()
+                    for conn in pooled] == ["0"] * 6
         finally:
-            holder.close()
-            store.close()
+            for conn in pooled:
+                conn.close()
