@@ -239,11 +239,13 @@ class StoreBase:
         connection was lost (during COMMIT, or before a one-statement write's reply): an
         ``op`` that must not write twice checks. ``single``: ``op`` runs on an autocommit
         connection (PostgreSQL; SQLite keeps its transaction), where each statement is its
-        own transaction.
+        own transaction: for one-statement writes, and for reads of one statement, which a
+        transaction would cost two more round trips (``BEGIN``, and the ``ROLLBACK`` of the
+        connection's return to the pool) and no more consistency.
         """
         autocommit = single and self.is_postgres
-        engine = (self.read_engine if read
-                  else self.autocommit_engine if autocommit else self.engine)
+        engine = (self.autocommit_engine if autocommit
+                  else self.read_engine if read else self.engine)
         deadline = time.monotonic() + self.retry_seconds
         pause = RETRY_FIRST_PAUSE
         attempt = 1
@@ -272,7 +274,7 @@ class StoreBase:
     def store_time(self) -> float:
         """The store's clock now (``connections.store_now``): what leases are judged by."""
         return float(self._retrying(lambda conn, _: conn.execute(STORE_NOW).scalar_one(),
-                                    read=True))
+                                    read=True, single=True))
 
     def writable_at(self) -> float:
         """Take the store's write lock (on SQLite; a round trip on PostgreSQL) and return the
@@ -297,4 +299,5 @@ class StoreBase:
         the store's writes (a read is always safe to run again). For the reads an agent
         process makes between its calls, which must not fail on a connection the server has
         just closed while a new one would answer."""
-        return self.reading(lambda conn: [dict(r) for r in conn.execute(stmt).mappings()])
+        return self._retrying(lambda conn, _: [dict(r) for r in conn.execute(stmt).mappings()],
+                              read=True, single=True)

@@ -263,7 +263,7 @@ class Calls(StoreBase):
         """The stored call, or None. Retried across a lost connection."""
         row = self._retrying(
             lambda conn, _: conn.execute(_GET_CALL, {"get_key": key}).mappings().first(),
-            read=True)
+            read=True, single=True)
         return ToolCallRow.model_validate(dict(row)) if row else None
 
     def calls_for_session(self, session_id: str) -> list[ToolCallRow]:

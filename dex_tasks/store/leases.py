@@ -286,7 +286,7 @@ class Leases(Transitions):
             .limit(limit)
         )
         return self._retrying(lambda conn, _: readable_calls(conn.execute(stmt).mappings()),
-                              read=True)
+                              read=True, single=True)
 
     def stranded_queued(self, published_before: float, limit: int = 500) -> list[ToolCallRow]:
         """Queued calls with no publish since ``published_before``: the never published first,
