@@ -52,7 +52,12 @@ TOOLS = {"read": READ_TOOL, "single": SINGLE_ATTEMPT_TOOL}
 
 
 class SqlCounter:
-    """Counts what a store's engines send: statements by verb, transactions, new connections."""
+    """Counts what a store's engines send: statements by verb, transactions, new connections.
+
+    On SQLite the statements are counted by ``sqlite3`` itself (its trace callback, set on
+    every connection the engines open from now on): the store's hot path sends them on the
+    DB-API connection (``dex_tasks/store/driver.py``), where SQLAlchemy's execute events do
+    not see them."""
 
     def __init__(self, store: Store) -> None:
         self.counts: Counter[str] = Counter()
@@ -62,9 +67,21 @@ class SqlCounter:
         self._hooks: list[tuple[Engine, str, Callable[..., None]]] = []
         for engine in self.engines:
             self._listen(engine, "connect", lambda *_: self._add("connect"))
-            self._listen(engine, "before_cursor_execute", self._statement)
+            if store.is_sqlite:
+                engine.dispose()  # pooled connections opened before would go untraced
+                self._listen(engine, "connect", self._trace)
+            else:
+                self._listen(engine, "before_cursor_execute", self._statement)
             self._listen(engine, "commit", lambda *_: self._add("commit"))
             self._listen(engine, "rollback", lambda *_: self._add("rollback"))
+
+    def _trace(self, dbapi_conn: Any, _record: Any) -> None:
+        def traced(statement: str) -> None:
+            # COMMIT and ROLLBACK are counted by the engine's events, as on PostgreSQL
+            if statement.split(None, 1)[:1] not in (["COMMIT"], ["ROLLBACK"]):
+                self._statement(None, None, statement)
+
+        dbapi_conn.set_trace_callback(traced)
 
     def _listen(self, engine: Engine, name: str, fn: Callable[..., None]) -> None:
         event.listen(engine, name, fn)
@@ -84,6 +101,8 @@ class SqlCounter:
     def remove(self) -> None:
         for engine, name, fn in self._hooks:
             event.remove(engine, name, fn)
+            if fn == self._trace:
+                engine.dispose()  # the traced connections
         self._hooks.clear()
 
 
