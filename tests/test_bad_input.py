@@ -143,6 +143,7 @@ def test_a_row_no_sweep_can_read_does_not_stop_recovery_of_the_others(
                             published_at=now - 600))
         bad.append(_bad_row("bad/t/" + "r" * 600, CallStatus.RUNNING, now, attempts=1,
                             worker="dex-gone@nowhere:1", lease_expires_at=now - 600))
+    client.store.flush_publish_marks()  # call_tool's own mark must land before this one
     with client.store.write() as conn:
         conn.execute(insert(CALLS), bad)
         conn.execute(update(CALLS).where(CALLS.c.key == lost.key)

@@ -709,6 +709,50 @@ def test_publish_marks_are_written_off_the_callers_path_in_few_updates(
     assert len(seen) == 1
 
 
+def test_a_claim_refuses_a_call_expired_in_the_queue_or_with_no_attempt_left(
+    store: Store,
+) -> None:
+    # Given a call that expired in the queue, one whose attempts were all used (its workers
+    # were lost), and one that may run
+    now = time.time()
+    assert store.insert_call(call_row("s/t/expired", expires_at=now - 1))
+    assert store.insert_call(call_row("s/t/used", effect="read", max_attempts=2, attempts=2))
+    assert store.insert_call(call_row("s/t/ok", expires_at=now + 60))
+    vetted: list[str] = []
+    # When a worker claims each
+    claims = {key: store.claim(key, "w@h:1", 30.0, lambda row: vetted.append(row.key), now=now)
+              for key in ("s/t/expired", "s/t/used", "s/t/ok")}
+    # Then only the one that may run is claimed; the others were never claimed (nothing to
+    # undo, no check ran on them) and stay queued as they were, for the worker to end
+    assert [k for k, c in claims.items() if c is not None] == ["s/t/ok"] == vetted
+    for key, attempts in (("s/t/expired", 0), ("s/t/used", 2)):
+        call = store.get_call(key)
+        assert call is not None
+        assert (call.status, call.attempts, call.worker) == ("queued", attempts, None)
+        assert [e.event for e in store.events_for_call(key)] == ["tool_call_requested"]
+
+
+def test_a_late_publish_mark_never_moves_a_later_publish_time_back(store: Store) -> None:
+    # Given a call whose first message's mark is still on its way (call_tool's, written by
+    # the store's thread), and which a worker has meanwhile tried and scheduled a retry of,
+    # due 4 s from now (the retry's message carries that time)
+    sent = time.time()
+    assert store.insert_call(call_row("s/t/r", published_at=None, effect="read",
+                                      max_attempts=3))
+    assert store.claim("s/t/r", "w@h:1", 30.0, lambda row: None) is not None
+    assert store.transition("s/t/r", CallStatus.QUEUED, allowed={CallStatus.RUNNING},
+                            values={"published_at": sent + 4.0, "worker": None})
+    # When the first message's mark lands, late
+    store.mark_published(["s/t/r"], sent)
+    # Then the call keeps the retry's time: the republisher does not take it for stranded
+    call = store.get_call("s/t/r")
+    assert call is not None and call.published_at == sent + 4.0
+    # And a republish (later than both) still records its time
+    store.mark_published(["s/t/r"], sent + 10.0, republished=True)
+    call = store.get_call("s/t/r")
+    assert call is not None and (call.published_at, call.republishes) == (sent + 10.0, 1)
+
+
 def test_a_publish_mark_lands_within_the_linger_without_a_flush(store: Store) -> None:
     from dex_tasks.store.calls import UNSENT_GRACE_SECONDS
     from dex_tasks.store.leases import MARKS_LINGER_SECONDS

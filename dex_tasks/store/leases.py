@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import bindparam, literal, select, update
+from sqlalchemy import bindparam, literal, or_, select, update
 from sqlalchemy.engine import Connection
 
 from dex_tasks.states import CallStatus
@@ -25,7 +25,7 @@ from dex_tasks.store.calls import UNSENT_GRACE_SECONDS
 from dex_tasks.store.connections import store_now
 from dex_tasks.store.models import ToolCallRow
 from dex_tasks.store.tables import CALLS, readable_calls, status_by_key
-from dex_tasks.store.transitions import Transitions, single_statement
+from dex_tasks.store.transitions import CLAIMABLE, Transitions, single_statement
 
 V = TypeVar("V")
 log = logging.getLogger("dex_tasks.store")
@@ -34,7 +34,8 @@ log = logging.getLogger("dex_tasks.store")
 # lease runs on the store's clock (``connections.store_now``), never on the worker's.
 _CLAIM = (
     update(CALLS)
-    .where(CALLS.c.key == bindparam("c_key"), CALLS.c.status == CallStatus.QUEUED.value)
+    .where(CALLS.c.key == bindparam("c_key"), CALLS.c.status == CallStatus.QUEUED.value,
+           *CLAIMABLE)
     .values(prev_status=CALLS.c.status, status=CallStatus.RUNNING.value,
             attempts=CALLS.c.attempts + 1, worker=bindparam("c_worker"),
             lease_expires_at=store_now() + bindparam("c_lease"),
@@ -138,7 +139,9 @@ class Leases(Transitions):
         """queued -> running for ``owner``, in one statement that returns the whole row.
 
         ``None`` when the call is not queued (a duplicate delivery, a call that ended, or no
-        such call). The row's ``attempts`` counts the attempt this claim starts, and its lease
+        such call), or is queued but cannot be claimed (``transitions.CLAIMABLE``: it expired
+        in the queue by ``now``, or has no attempt left), which its caller tells apart by
+        reading it. The row's ``attempts`` counts the attempt this claim starts, and its lease
         runs ``lease_seconds`` on the store's clock. ``vet(row)`` runs inside the transaction
         before the event is written: whatever it raises rolls the claim back (the call stays
         queued, untouched) and propagates. Returns the row and what ``vet`` returned. Retried
@@ -174,7 +177,7 @@ class Leases(Transitions):
         written = {"worker": owner, "updated_at": now}
         stmt = single_statement(CallStatus.RUNNING, _FROM_QUEUED, (), tuple(sorted(written)),
                                  claim=True)
-        row = self._move_single(stmt, {"t_key": key, "c_lease": lease_seconds,
+        row = self._move_single(stmt, {"t_key": key, "c_lease": lease_seconds, "c_now": now,
                                        "v_worker": owner, "v_updated_at": now},
                                 key, CallStatus.RUNNING, None, now, written)
         if row is None:
@@ -195,16 +198,23 @@ class Leases(Transitions):
 
         ``republished`` counts a republish by the stranded-call sweep, which backs off on
         calls it has already republished.
+
+        A call whose publish time is already later is left as it is: a mark written late (by
+        :meth:`mark_published_soon`'s thread) must not move back the time of a message sent
+        since, such as a retry's that a worker scheduled for later, which then looked stranded
+        to the republisher and was sent twice.
         """
         keys = [keys] if isinstance(keys, str) else list(keys)
         if not keys:
             return
-        values: dict[str, Any] = {"published_at": time.time() if now is None else now}
+        at = time.time() if now is None else now
+        values: dict[str, Any] = {"published_at": at}
         if republished:
             values["republishes"] = CALLS.c.republishes + 1
         stmt = (update(CALLS)
                 .where(CALLS.c.key.in_(keys),
-                       status_by_key(self.is_sqlite) == CallStatus.QUEUED.value)
+                       status_by_key(self.is_sqlite) == CallStatus.QUEUED.value,
+                       or_(CALLS.c.published_at.is_(None), CALLS.c.published_at < at))
                 .values(**values))
         self._retrying(lambda conn, _: conn.execute(stmt), single=True)
 

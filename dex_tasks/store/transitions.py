@@ -98,12 +98,24 @@ def _returning_one(to: CallStatus, postgres: bool) -> tuple[Any, ...]:
     columns = _returning(to)
     return (*columns, DELIVERY_LOCK_RETURNING) if to.terminal and postgres else columns
 
+# What a claim also guards, besides the call being queued: it has not expired in the queue by
+# the claimer's ``:c_now`` (a call expires by the clock of the worker that finds it expired, as
+# before a claim existed), and it has an attempt left. In the claim's own WHERE, so a call that
+# fails them is never claimed, and nothing has to be undone: the claim returns no row, and
+# the worker reads the call to end it "did not run" or as its attempts ran out.
+CLAIMABLE = (
+    or_(CALLS.c.expires_at.is_(None), CALLS.c.expires_at >= bindparam("c_now")),
+    CALLS.c.attempts < CALLS.c.max_attempts,
+)
+
+
 def _guarded_update(to: CallStatus, sources: frozenset[CallStatus], match: tuple[str, ...],
                     fields: tuple[str, ...], *, claim: bool = False) -> Any:
     """The guarded UPDATE of one transition shape, with every value a bound parameter.
 
-    ``claim``: the move to ``running`` also counts the attempt and sets the lease on the
-    store's clock (``connections.store_now``) from ``:c_lease`` seconds."""
+    ``claim``: the move to ``running`` is guarded by :data:`CLAIMABLE` as well, counts the
+    attempt and sets the lease on the store's clock (``connections.store_now``) from
+    ``:c_lease`` seconds."""
     extra: dict[str, Any] = ({"attempts": CALLS.c.attempts + 1,
                               "lease_expires_at": store_now() + bindparam("c_lease")}
                              if claim else {})
@@ -114,7 +126,8 @@ def _guarded_update(to: CallStatus, sources: frozenset[CallStatus], match: tuple
         .where(CALLS.c.key == bindparam("t_key"),
                CALLS.c.status.in_([literal(s.value, CALLS.c.status.type)
                                    for s in sorted(sources)]),
-               *(CALLS.c[k] == bindparam(f"m_{k}") for k in match))
+               *(CALLS.c[k] == bindparam(f"m_{k}") for k in match),
+               *(CLAIMABLE if claim else ()))
         # SET evaluates right-hand sides against the old row, so prev_status keeps the status
         # we moved from, for the event row.
         .values(prev_status=CALLS.c.status, status=to.value, **extra,

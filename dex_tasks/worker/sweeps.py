@@ -207,6 +207,9 @@ def republish_stranded(rt: Runtime, now: float | None = None) -> int:
     ending: list[Move] = []
     republished: list[str] = []
     search = routing.MessageSearch(rt.redis)
+    # The publish marks this process's own calls are waiting to write (a republisher beside
+    # an agent, as in the demo): a call whose mark has not landed yet looks never sent.
+    rt.store.flush_publish_marks()
     for call in rt.store.stranded_queued(now - lost_after):
         if served is not None and call.tool not in served:
             # No live worker consumes its queue: a copy would only wait beside the first, and
