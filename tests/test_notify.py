@@ -449,3 +449,25 @@ def test_a_redis_that_refuses_scripts_gets_the_plain_commands(
         notifier.close()
         admin.acl_deluser("noscript")
         admin.close()
+
+
+def test_an_error_inside_the_script_does_not_stop_scripting(
+    redis_url: str, announced: Announcements
+) -> None:
+    # Given a counters hash that something else overwrote with a string
+    notifier = EndedNotifier(redis_url, redis_connector(redis_url))
+    try:
+        notifier.client.set(ENDED_KEY, "not a hash")
+
+        # When a call is announced: the script publishes, then fails at its first counter,
+        # and the pipeline that follows meets the same error
+        call = _ended_batch("wrongtype", 1)[0]
+        notifier([call])
+
+        # Then the waiters were still woken, nothing was counted, and the notifier keeps the
+        # script for its next announcements: only a refusal of scripts turns it off
+        announced.wait_for(call.key, call.status, timeout=10)
+        assert notifier.client.get(ENDED_KEY) == b"not a hash"
+        assert notifier.scripted
+    finally:
+        notifier.close()

@@ -173,8 +173,8 @@ class EndedNotifier:
 
     def _announce_scripted(self, ended: Sequence[EndedCall]) -> bool:
         """Announce and count ``ended`` with one ``EVALSHA`` of :data:`ANNOUNCE_SCRIPT`; False
-        (nothing done) if this Redis refuses scripts, which the pipeline then does instead.
-        Connection errors propagate, as the pipeline's do."""
+        if Redis refused the script or it stopped on an error, and the pipeline is to be sent
+        instead. Connection errors propagate, as the pipeline's do."""
         counts, totals = ended_counts(ended)
         args: list[str | int | float] = [len(ended)]
         for call in ended:
@@ -196,14 +196,17 @@ class EndedNotifier:
                 client.script_load(ANNOUNCE_SCRIPT)
                 evalsha("EVALSHA", ANNOUNCE_SHA, 1, ENDED_KEY, *args)
         except redis.exceptions.ResponseError as err:
-            # NOPERM, EVALSHA renamed away: the pipeline's plain commands may still be
-            # allowed. (A script stopped by a wrong-typed counters hash had published first:
-            # the pipeline publishes again, which only makes waiters read the store once more,
-            # and meets the same error at the same counter, so nothing is counted twice.)
-            self.scripted = False
-            log.warning("Redis refused the announcement script; announcing with plain "
-                        "commands", extra={"action": "notify_script_refused",
-                                           "error": f"{type(err).__name__}: {err}"})
+            # The pipeline's plain commands may still work. (A script stopped part-way, by a
+            # wrong-typed counters hash or an out-of-memory Redis, had published first: the
+            # pipeline publishes again, which only makes waiters read the store once more, and
+            # meets the same error at the same counter, so nothing is counted twice.)
+            if isinstance(err, redis.exceptions.NoPermissionError) or (
+                    "unknown command" in str(err).lower()):
+                # Scripts refused for good (an ACL without @scripting, EVALSHA renamed away).
+                self.scripted = False
+                log.warning("Redis refused the announcement script; announcing with plain "
+                            "commands", extra={"action": "notify_script_refused",
+                                               "error": f"{type(err).__name__}: {err}"})
             return False
         return True
 
