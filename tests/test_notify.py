@@ -22,8 +22,18 @@ import redis
 
 import workers.example_tools  # noqa: F401 - registers the example tools in this process
 from dex_tasks import AsyncDexClient, CallStatus, DexClient, DexSettings, registry
-from dex_tasks.broker.notify import CHANNEL_PREFIX, CallWatcher, ended_channel, install
-from dex_tasks.store import Store
+from dex_tasks.broker.metrics import ENDED_KEY
+from dex_tasks.broker.notify import (
+    ANNOUNCE_SHA,
+    CHANNEL_PREFIX,
+    SCRIPT_MAX_CALLS,
+    CallWatcher,
+    EndedNotifier,
+    ended_channel,
+    install,
+    redis_connector,
+)
+from dex_tasks.store import EndedCall, Store
 from dex_tasks.worker.execution import Runtime
 from dex_tasks.worker.sweeps import run_job
 from tests.conftest import StartWorker, fast_settings, settings_env
@@ -343,3 +353,121 @@ def test_watcher_recovers_after_redis_restarts(tmp_path: Path) -> None:
     assert "error" not in out, out
     assert out["record"].status is CallStatus.REJECTED
     assert out["took"] < WOKEN_WITHIN
+
+
+def _ended_batch(prefix: str, count: int) -> list[EndedCall]:
+    """``count`` ended calls over two tools, three statuses and several latency buckets."""
+    now = time.time()
+    statuses = (CallStatus.SUCCEEDED, CallStatus.FAILED, CallStatus.OUTCOME_UNKNOWN)
+    return [EndedCall(f"{prefix}/t/c{i}", prefix, ("lookup_order", "charge_card")[i % 2],
+                      ("read", "non_idempotent_write")[i % 2], statuses[i % 3],
+                      now - (0.003, 0.2, 7.0, 4000.0)[i % 4], now)
+            for i in range(count)]
+
+
+def _announce_all(notifier: EndedNotifier, batches: list[list[EndedCall]]) -> dict[bytes, bytes]:
+    client = notifier.client
+    client.delete(ENDED_KEY)
+    for batch in batches:
+        notifier(batch)
+    return client.hgetall(ENDED_KEY)
+
+
+def test_the_announcement_script_counts_and_publishes_as_the_pipeline_does(
+    redis_url: str, announced: Announcements
+) -> None:
+    # Given a notifier, and batches that the script announces (up to SCRIPT_MAX_CALLS calls)
+    # and one, a sweep's, that goes as a pipeline
+    notifier = EndedNotifier(redis_url, redis_connector(redis_url))
+    plain = EndedNotifier(redis_url, redis_connector(redis_url), scripted=False)
+    batches = [_ended_batch("one", 1), _ended_batch("few", 7),
+               _ended_batch("many", SCRIPT_MAX_CALLS + 5)]
+    try:
+        # When they are announced with the script, then again with plain commands only
+        scripted = _announce_all(notifier, batches)
+        pipelined = _announce_all(plain, batches)
+
+        # Then the counters are the same (bucket counts and latency totals), and every call
+        # was announced on its channel, both times
+        assert scripted == pipelined
+        assert len(scripted) == 6 * 2 + 6  # 6 label sets, 2 buckets and a total each
+        for batch in batches:
+            for call in batch:
+                wait_until(lambda c=call: announced.seen.count((c.key, c.status.value)) == 2,
+                           10, f"{call.key} announced twice")
+        assert notifier.scripted and not plain.scripted
+    finally:
+        notifier.close()
+        plain.close()
+
+
+def test_the_announcement_script_is_loaded_again_after_redis_forgot_it(redis_url: str) -> None:
+    # Given a notifier that has loaded its script, and a Redis that then lost it (a restart,
+    # a failover to a replica that never ran it)
+    notifier = EndedNotifier(redis_url, redis_connector(redis_url))
+    try:
+        notifier(_ended_batch("before", 1))
+        notifier.client.script_flush()
+
+        # When it announces the next call
+        notifier(_ended_batch("after", 1))
+
+        # Then that call is counted too, still by the script
+        counts = notifier.client.hgetall(ENDED_KEY)
+        assert sum(int(v) for f, v in counts.items() if not f.endswith(b'"sum"]')) == 2
+        assert notifier.scripted
+        assert notifier.client.script_exists(ANNOUNCE_SHA) == [True]
+    finally:
+        notifier.close()
+
+
+def test_a_redis_that_refuses_scripts_gets_the_plain_commands(
+    redis_url: str, announced: Announcements, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a Redis user whose ACL refuses scripting (as some managed Redis services do)
+    admin = redis.Redis.from_url(redis_url)
+    admin.acl_setuser("noscript", enabled=True, passwords=["+pw"], keys=["~*"],
+                      channels=["*"], commands=["+@all", "-@scripting"])
+    url = redis_url.replace("redis://", "redis://noscript:pw@")
+    notifier = EndedNotifier(url, redis_connector(url))
+    try:
+        # When its notifier announces calls
+        notifier(_ended_batch("first", 2))
+        notifier(_ended_batch("second", 3))
+
+        # Then they are announced and counted all the same, with plain commands from the
+        # first refusal on, which is logged once
+        counts = admin.hgetall(ENDED_KEY)
+        assert sum(int(v) for f, v in counts.items() if not f.endswith(b'"sum"]')) == 5
+        for call in _ended_batch("first", 2) + _ended_batch("second", 3):
+            announced.wait_for(call.key, call.status, timeout=10)
+        refusals = [r for r in caplog.records
+                    if getattr(r, "action", None) == "notify_script_refused"]
+        assert len(refusals) == 1
+        assert not notifier.scripted
+    finally:
+        notifier.close()
+        admin.acl_deluser("noscript")
+        admin.close()
+
+
+def test_an_error_inside_the_script_does_not_stop_scripting(
+    redis_url: str, announced: Announcements
+) -> None:
+    # Given a counters hash that something else overwrote with a string
+    notifier = EndedNotifier(redis_url, redis_connector(redis_url))
+    try:
+        notifier.client.set(ENDED_KEY, "not a hash")
+
+        # When a call is announced: the script publishes, then fails at its first counter,
+        # and the pipeline that follows meets the same error
+        call = _ended_batch("wrongtype", 1)[0]
+        notifier([call])
+
+        # Then the waiters were still woken, nothing was counted, and the notifier keeps the
+        # script for its next announcements: only a refusal of scripts turns it off
+        announced.wait_for(call.key, call.status, timeout=10)
+        assert notifier.client.get(ENDED_KEY) == b"not a hash"
+        assert notifier.scripted
+    finally:
+        notifier.close()

@@ -24,6 +24,7 @@ from dex_tasks import TOOL_DID_NOT_RUN, CallStatus, DexClient, DexSettings, Tool
 from dex_tasks.broker.celery_app import create_app
 from dex_tasks.broker.metrics import SWEEP_STATS_KEY, metrics_redis, render_metrics
 from dex_tasks.broker.redis_clients import redis_client
+from dex_tasks.broker.transport import SentinelTransport, Transport
 from dex_tasks.errors import ConfigurationError
 from tests.conftest import fast_settings, settings_env
 from tests.helpers import WorkerProcess, start_process, wait_until
@@ -259,3 +260,35 @@ def test_a_sentinel_url_keeps_its_password_out_of_the_error() -> None:
     with pytest.raises(ConfigurationError) as err:
         redis_client(settings)
     assert "s3cret-pw" not in str(err.value)
+
+
+@pytest.mark.parametrize("publisher", [False, True])
+def test_every_app_reuses_one_redis_client_per_broker_channel(
+    settings: DexSettings, publisher: bool
+) -> None:
+    # Given the app a worker is built on (publisher=False) and the one DexClient publishes with
+    app = create_app(settings, publisher=publisher)
+    try:
+        # When its broker channel sends synchronous commands (a publish; in a worker's main
+        # process, each message's unacked-set write and its ack)
+        with app.connection_for_write() as conn:
+            channel = conn.default_channel
+            with channel.conn_or_acquire() as first, channel.conn_or_acquire() as second:
+                assert first.ping()
+
+        # Then they share one client object: kombu's own channel builds a new redis.Redis per
+        # command, about 50 µs of CPU each (a tenth of a worker main process's time per call)
+        assert first is second
+        assert isinstance(conn.transport, Transport)
+    finally:
+        app.close()
+
+
+def test_a_sentinel_broker_uses_the_one_client_transport_too() -> None:
+    settings = DexSettings(redis_url="sentinel://127.0.0.1:26379/0", redis_sentinel_master="m")
+    app = create_app(settings)
+    try:
+        # Built without connecting: the Sentinels are only asked on the first command.
+        assert isinstance(app.connection_for_write().transport, SentinelTransport)
+    finally:
+        app.close()

@@ -42,11 +42,11 @@ lost its data starts the counters again from zero, which ``rate()`` treats as a 
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import logging
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -131,26 +131,40 @@ def _field(tool: str, effect: str, status: str, bucket: int | str) -> str:
     return json.dumps([tool, effect, status, bucket], separators=(",", ":"))
 
 
+# Every call that ends needs two of these names; a worker serves a bounded set of label sets
+# (its tools x effect x status), so they are built once each instead of JSON-encoded per call.
+@functools.lru_cache(maxsize=4096)
+def _fields(tool: str, effect: str, status: str) -> tuple[tuple[str, ...], str]:
+    """The hash fields of one label set: one per latency bucket, and the latency total's."""
+    buckets = tuple(_field(tool, effect, status, i) for i in range(len(LATENCY_BUCKETS) + 1))
+    return buckets, _field(tool, effect, status, "sum")
+
+
 def bucket_of(seconds: float) -> int:
     """The index of the first bound of :data:`LATENCY_BUCKETS` that ``seconds`` fits under
     (``len(LATENCY_BUCKETS)``: above them all)."""
-    for i, bound in enumerate(LATENCY_BUCKETS):
-        if seconds <= bound:
-            return i
-    return len(LATENCY_BUCKETS)
+    return bisect.bisect_left(LATENCY_BUCKETS, seconds)
+
+
+def ended_counts(ended: Sequence[EndedCall]) -> tuple[dict[str, int], dict[str, float]]:
+    """The counter updates for ``ended``: ``HINCRBY`` amounts by field (one per label set and
+    bucket) and ``HINCRBYFLOAT`` latency totals by field (one per label set), in
+    :data:`ENDED_KEY`."""
+    counts: dict[str, int] = {}
+    totals: dict[str, float] = {}
+    for call in ended:
+        buckets, total = _fields(call.tool, call.effect, call.status.value)
+        latency = max(0.0, call.finished_at - call.created_at)
+        name = buckets[bucket_of(latency)]
+        counts[name] = counts.get(name, 0) + 1
+        totals[total] = totals.get(total, 0.0) + latency
+    return counts, totals
 
 
 def count_ended(pipe: Any, ended: Sequence[EndedCall]) -> None:
     """Queue on Redis pipeline ``pipe`` the counter updates for ``ended`` (one ``HINCRBY`` per
     label set and bucket, one ``HINCRBYFLOAT`` per label set for the latency total)."""
-    counts: Counter[str] = Counter()
-    totals: dict[str, float] = {}
-    for call in ended:
-        labels = (call.tool, call.effect, call.status.value)
-        latency = max(0.0, call.finished_at - call.created_at)
-        counts[_field(*labels, bucket_of(latency))] += 1
-        total = _field(*labels, "sum")
-        totals[total] = totals.get(total, 0.0) + latency
+    counts, totals = ended_counts(ended)
     for name, n in counts.items():
         pipe.hincrby(ENDED_KEY, name, n)
     for name, seconds in totals.items():

@@ -138,19 +138,20 @@ def tls_options(settings: DexSettings) -> dict[str, Any]:
     return options
 
 
-def broker_options(settings: DexSettings, *, publisher: bool = False) -> dict[str, Any]:
+def broker_options(settings: DexSettings) -> dict[str, Any]:
     """Celery settings that make its broker connection match ``DEX_REDIS_URL``.
 
-    ``broker_transport_options`` here are additions to the app's own; ``publisher`` picks the
-    transports of ``transport.py`` that reuse one Redis client per channel.
+    ``broker_transport_options`` here are additions to the app's own. The transports are
+    those of ``transport.py``, which reuse one Redis client per channel, for every app:
+    publishers (``DexClient``, beat) and workers alike (a worker's main process builds one
+    for each message's unacked-set write and another for its ack otherwise).
     """
     where = target(settings)
     options: dict[str, Any] = {"broker_transport_options": {}}
     if where.sentinel:
         options["broker_transport_options"]["master_name"] = where.master
-        if publisher:
-            options["broker_transport"] = "dex_tasks.broker.transport:SentinelTransport"
-    elif publisher:
+        options["broker_transport"] = "dex_tasks.broker.transport:SentinelTransport"
+    else:
         options["broker_transport"] = "dex_tasks.broker.transport:Transport"
     if where.tls:
         options["broker_use_ssl"] = tls_options(settings)
