@@ -109,3 +109,18 @@ def test_a_missing_parameter_is_named(store: Store) -> None:
     stmt = update(CALLS).where(CALLS.c.key == bindparam("the_key")).values(worker="x")
     with pytest.raises(KeyError, match="the_key"), store.write() as conn:
         driver.run(conn, stmt, {})
+
+
+def test_a_value_given_by_name_overrides_the_statements_own(store: Store) -> None:
+    # Given a statement with a bound value of its own, as SQLAlchemy lets an execution
+    # override by name
+    assert store.insert_call(_row("s/t/c1"))
+    stmt = update(CALLS).where(CALLS.c.key == bindparam("the_key")) \
+        .values(worker=bindparam("the_worker", value="built-in"))
+    with store.write() as conn:
+        driver.run(conn, stmt, {"the_key": "s/t/c1"})
+    assert (store.get_call("s/t/c1") or _row("x")).worker == "built-in"
+    # When an execution gives that name, then its value is the one written
+    with store.write() as conn:
+        driver.run(conn, stmt, {"the_key": "s/t/c1", "the_worker": "given"})
+    assert (store.get_call("s/t/c1") or _row("x")).worker == "given"

@@ -33,6 +33,9 @@ from typing import Any
 from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.exc import DBAPIError, StatementError
 
+# The value of a slot that every execution must give (see ``Prepared.fixed``).
+_REQUIRED = object()
+
 
 class DriverRow:
     """What a prepared statement returns per row: attribute access by column name, and
@@ -51,9 +54,10 @@ class Prepared:
     its returned rows are read."""
 
     sql: str
-    # One slot per ``?``, in order: the name of a parameter given per execution, or None for
-    # a value fixed when the statement was built (in ``fixed``: a literal, a column default).
-    given: tuple[str | None, ...]
+    # One slot per ``?``, in order: its parameter's name, and the value it takes when an
+    # execution does not give that name (a literal's, a column default), or ``_REQUIRED``.
+    # A given name overrides the value, as in SQLAlchemy's own execution.
+    names: tuple[str, ...]
     fixed: tuple[Any, ...]
     # The bind processors of the parameters' types, by slot.
     binds: tuple[tuple[int, Callable[[Any], Any]], ...]
@@ -64,8 +68,8 @@ class Prepared:
 
     def values(self, params: Mapping[str, Any]) -> list[Any]:
         """The positional values of one execution; ``KeyError`` names a missing parameter."""
-        values = [fixed if name is None else params[name]
-                  for name, fixed in zip(self.given, self.fixed, strict=True)]
+        values = [params[name] if fixed is _REQUIRED or name in params else fixed
+                  for name, fixed in zip(self.names, self.fixed, strict=True)]
         for i, process in self.binds:
             if values[i] is not None:
                 values[i] = process(values[i])
@@ -101,16 +105,14 @@ def prepare(statement: Any, dialect: Dialect, column_keys: tuple[str, ...] | Non
         if not (column.default is not None and column.default.is_scalar):
             raise TypeError(f"the default of {column.key!r} is computed per row")
         defaults[column.key] = column.default.arg
-    given: list[str | None] = []
     fixed: list[Any] = []
     binds: list[tuple[int, Callable[[Any], Any]]] = []
     for i, name in enumerate(compiled.positiontup):
         bind = compiled.binds[name]
         if bind.expanding:
             raise TypeError(f"the parameter {name!r} expands per execution")
-        per_execution = bind.required or name in (column_keys or ())
-        given.append(name if per_execution else None)
-        fixed.append(None if per_execution else defaults.get(name, bind.effective_value))
+        required = bind.required or name in (column_keys or ())
+        fixed.append(_REQUIRED if required else defaults.get(name, bind.effective_value))
         process = bind.type.bind_processor(dialect)
         if process is not None:
             binds.append((i, process))
@@ -125,8 +127,8 @@ def prepare(statement: Any, dialect: Dialect, column_keys: tuple[str, ...] | Non
             if process is not None:
                 results.append((i, process))
         row = type("DriverRow", (DriverRow, namedtuple("Columns", labels)), {"__slots__": ()})
-    return Prepared(compiled.string, tuple(given), tuple(fixed), tuple(binds), tuple(results),
-                    row)
+    return Prepared(compiled.string, tuple(compiled.positiontup), tuple(fixed), tuple(binds),
+                    tuple(results), row)
 
 
 def _cursor(conn: Connection) -> sqlite3.Cursor:
