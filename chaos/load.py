@@ -194,9 +194,13 @@ class Driver:
                     due, index, session, interrupt_id, key = self.approvals.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                if due > time.monotonic():
+                # One reading of the clock: reading it again for the sleep could find the due
+                # time passed meanwhile, and a negative sleep raised and ended this thread,
+                # leaving every later approval undecided (a loaded chaos run failed so).
+                wait = due - time.monotonic()
+                if wait > 0:
                     self.approvals.put((due, index, session, interrupt_id, key))
-                    time.sleep(min(due - time.monotonic(), 0.05))
+                    time.sleep(min(wait, 0.05))
                     continue
                 try:
                     decided = client.resolve_interrupt(session, interrupt_id, True,
