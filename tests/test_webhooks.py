@@ -134,6 +134,10 @@ def test_webhooks_reach_a_receiver_that_was_down_once_each_signed(
                                         approver="bob", rejection_message="no")
         wait_until(lambda: len({json.loads(r["body"])["id"] for r in receiver.accepted()})
                    == 5, 30)
+        # (the receiver answered before the worker recorded its answer: wait for the records,
+        # or the sweep below, a minute ahead, takes one still being recorded for stranded)
+        wait_until(lambda: {r["status"] for r in outbox.list_deliveries(client.store)}
+                   == {"delivered"}, 30)
         # And a delivery whose publish was lost is sent by the republish sweep
         lost = DexClient(settings)
         lost.store.publish_webhooks = None
