@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from celery import Celery
 
-    from dex_tasks.agent import approvals, turns
+    from dex_tasks.agent import approvals, session_views, turns
     from dex_tasks.broker import notify
     from dex_tasks.broker.redis_clients import connector
     from dex_tasks.settings import DexSettings
@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     )
 else:
     _deferred = Deferred(globals())
-    approvals, turns = _deferred("dex_tasks.agent", "approvals", "turns")
+    approvals, session_views, turns = _deferred("dex_tasks.agent", "approvals", "session_views",
+                                                  "turns")
     notify = _deferred("dex_tasks.broker", "notify")
     connector = _deferred("dex_tasks.broker.redis_clients", "connector")
     transcript = _deferred("dex_tasks.store", "transcript")
@@ -106,7 +107,7 @@ class SessionMethods:
         user, assistant and tool messages, oldest first), ``.pending_interrupts`` (approvals
         waiting, deadline not passed) and ``.decided`` (who decided each past approval, when,
         and why)."""
-        return approvals.session_snapshot(self.store, session_id)
+        return session_views.session_snapshot(self.store, session_id)
 
     # -- approvals and messages -----------------------------------------------------------------
 
@@ -143,7 +144,7 @@ class SessionMethods:
 
         Ask it when ``resolve_interrupt`` returned False; it reads, and changes nothing.
         """
-        return approvals.refusal_reason(self.store, session_id, interrupt_id)
+        return session_views.refusal_reason(self.store, session_id, interrupt_id)
 
     def send_user_message(self, session_id: str, text: str) -> bool:
         """Send a user message into the session's transcript; True once it is stored.
