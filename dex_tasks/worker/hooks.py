@@ -26,13 +26,8 @@ from dex_tasks.broker.celery_app import RUN_RETRYING, RUN_SINGLE_ATTEMPT
 from dex_tasks.broker.routing import Presence
 from dex_tasks.states import CallStatus
 from dex_tasks.store import bounded_statements
-from dex_tasks.worker.execution import (
-    current_owner,
-    did_not_run,
-    handle_lost_attempt,
-    reset_runtime,
-    runtime,
-)
+from dex_tasks.worker.endings import did_not_run, handle_lost_attempt
+from dex_tasks.worker.runtime import current_owner, reset_runtime, runtime
 from dex_tasks.worker.threadpool import Watchdog, Watched
 
 log = logging.getLogger("dex_tasks.worker.hooks")
