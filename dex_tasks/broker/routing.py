@@ -108,6 +108,19 @@ def live_workers(client: redis.Redis) -> list[dict[str, Any]]:
     return [json.loads(_text(r)) for r in records if r is not None]
 
 
+def announcement(client: redis.Redis, node: str) -> dict[str, Any] | None:
+    """The live announcement of the worker named ``node`` (its host, pid, pool, tools), if
+    there is one."""
+    raw = client.get(WORKER_KEY + node)
+    if raw is None:
+        return None
+    try:
+        record = json.loads(_text(raw))
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def announcements_complete(client: redis.Redis, heartbeat_seconds: float) -> bool:
     """False while Redis has been up for less than a worker's announcement lasts: after a
     restart that lost (or expired) the announcements, live workers have not all announced
