@@ -29,6 +29,10 @@ from tests.pgbouncer import PgBouncer, pgbouncer
 from tests.test_store import call_row
 from tests.test_store import store as store  # the fixtures, here on the pooled database
 from tests.test_store_types import db_client as db_client
+from workers import example_tools
+
+# Registered in this process: the tests call them with no worker's catalog published.
+assert example_tools.lookup_order
 
 _ON_A_DATABASE = {"store", "database_url", "db_client"}
 
