@@ -94,7 +94,8 @@ class DexClient(SessionMethods):
         # pooled connections meanwhile: one that sat idle a second is tested before use. The
         # ping's round trip is nothing next to a second of idling, and none is made under load.
         self.store = Store(self.settings.database_url,
-                           retry_seconds=self.settings.store_retry_seconds, ping_after_idle=1.0)
+                           retry_seconds=self.settings.store_retry_seconds, ping_after_idle=1.0,
+                           pooler=self.settings.store_pooler == "transaction")
         if create_tables:
             try:
                 self.store.create_all()
