@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -108,7 +109,7 @@ class PgBouncer:
             return False
         return True
 
-    def url(self, database_url: str, **parts: str) -> str:
+    def url(self, database_url: str, **parts: Any) -> str:
         """``database_url`` pointed at this pooler (``parts``: other URL parts to set, such
         as ``username`` or ``password``)."""
         from sqlalchemy.engine import make_url
