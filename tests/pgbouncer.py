@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,18 +103,22 @@ class PgBouncer:
     def _listening(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
             raise RuntimeError(f"pgbouncer exited with {self.proc.returncode}:\n{self.log()}")
+        host = self.settings.get("listen_addr", "127.0.0.1").split(",")[0].strip()
         try:
-            socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+            socket.create_connection(("127.0.0.1" if host in ("*", "0.0.0.0") else host,
+                                      self.port), timeout=0.5).close()
         except OSError:
             return False
         return True
 
-    def url(self, database_url: str, **parts: str) -> str:
-        """``database_url`` pointed at this pooler (``parts``: other URL parts to set, such
-        as ``username`` or ``password``)."""
+    def url(self, database_url: str, **parts: str | int) -> str:
+        """``database_url`` pointed at this pooler (``parts``: URL parts to set besides, or
+        instead, such as ``username``, ``password``, or ``host`` where ``listen_addr`` is
+        another address than 127.0.0.1)."""
         from sqlalchemy.engine import make_url
 
-        url = make_url(database_url).set(host="127.0.0.1", port=self.port, **parts)
+        where: dict[str, Any] = {"host": "127.0.0.1", "port": self.port, **parts}
+        url = make_url(database_url).set(**where)
         return url.render_as_string(hide_password=False)
 
     def log(self) -> str:
@@ -133,9 +138,9 @@ class PgBouncer:
 
 
 @contextmanager
-def pgbouncer(server: str = "127.0.0.1:5432", **options: object) -> Iterator[PgBouncer]:
+def pgbouncer(server: str = "127.0.0.1:5432", **options: Any) -> Iterator[PgBouncer]:
     """A started :class:`PgBouncer` for the ``with`` block (``options``: its fields)."""
-    bouncer = PgBouncer(server=server, **options).start()  # type: ignore[arg-type]
+    bouncer = PgBouncer(server=server, **options).start()
     try:
         yield bouncer
     finally:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import pytest
 import redis
 
 from dex_tasks import BrokerRefusedError, DexClient, StoreRefusedError
+from tests.conftest import POSTGRES_URL as POSTGRES_ADMIN
 from tests.conftest import fast_settings, settings_env
 from tests.helpers import (
     ROOT,
@@ -359,3 +361,39 @@ def test_a_worker_waits_for_a_store_that_is_not_answering_saying_so_on_each_try(
             worker.discard()
     finally:
         proxy.stop()
+
+
+def test_a_store_that_is_read_only_for_a_while_is_waited_for(postgres_required: str) -> None:
+    # Given a database whose new sessions only read (as a demoted primary's do while a
+    # failover promotes another), which turns writable again 1.5 s later
+    from sqlalchemy import create_engine, text
+
+    from dex_tasks.store import Store
+    from tests.test_store import call_row
+
+    store = Store(postgres_required, retry_seconds=15.0, pooler=False)
+    store.create_all()
+    name = postgres_required.rsplit("/", 1)[1]
+    admin = create_engine(POSTGRES_ADMIN, isolation_level="AUTOCOMMIT")
+
+    def read_only(on: bool) -> None:
+        with admin.connect() as conn:
+            conn.execute(text(f'ALTER DATABASE "{name}" '
+                              + ("SET default_transaction_read_only = on" if on else
+                                 "RESET default_transaction_read_only")))
+
+    read_only(True)
+    store.engine.dispose()  # (the sessions it holds were opened writable)
+    timer = threading.Timer(1.5, read_only, (False,))
+    timer.start()
+    try:
+        # When a call is inserted and claimed meanwhile, then both wait it out and succeed
+        started = time.monotonic()
+        assert store.insert_call(call_row("s/t/read-only"))
+        assert store.claim("s/t/read-only", "node:1", 30, lambda row: None) is not None
+        assert time.monotonic() - started >= 1.0
+    finally:
+        timer.join()
+        read_only(False)
+        admin.dispose()
+        store.close()
