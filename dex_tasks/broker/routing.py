@@ -167,11 +167,13 @@ class Presence(threading.Thread):
     the set of held delivery tags, both with the same expiry.
     """
 
-    def __init__(self, redis_url: str, node: str, tools: Iterable[str], pool: str,
+    def __init__(self, client: redis.Redis, node: str, tools: Iterable[str], pool: str,
                  concurrency: int, heartbeat_seconds: float) -> None:
         super().__init__(name="dex-presence", daemon=True)
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=5,
-                                           socket_connect_timeout=5)
+        # A client of redis_clients.redis_client: the master through the Sentinels, TLS. (A
+        # client made from the URL failed on sentinel:// URLs, so such workers never
+        # announced themselves and their tools looked unserved.)
+        self.client = client
         self.node = node
         self.tools = sorted(tools)
         self.interval = heartbeat_seconds
