@@ -14,7 +14,9 @@ import pytest
 
 from dex_tasks import InvalidCallError, idempotency_key, key_part
 from dex_tasks.agent.calls import KEY_PART_MAX
-from dex_tasks.integrations import langchain, openai_agents, pydantic_ai
+from dex_tasks.integrations import langchain
+from dex_tasks.integrations.openai_agents import context as openai_agents_context
+from dex_tasks.integrations.pydantic_ai import keys as pydantic_ai_keys
 
 ALPHABET = ["a", "7", "e", "f", "u", "~", "/", "\x00", "\x7f", "\ud800", "é"]
 
@@ -55,7 +57,7 @@ def test_plain_ids_are_kept_as_they_are_and_every_adapter_maps_alike() -> None:
     assert key_part("user/42") == "user~2f42"
     assert key_part("user~2f42") == "user~7e2f42"
     assert langchain.key_part is key_part
-    assert openai_agents.key_part is key_part
-    assert pydantic_ai._fit_id("user/42") == key_part("user/42")
+    assert openai_agents_context.key_part is key_part
+    assert pydantic_ai_keys.fit_id("user/42") == key_part("user/42")
     with pytest.raises(InvalidCallError, match="non-empty string"):
         key_part("")
