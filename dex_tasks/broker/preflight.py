@@ -32,7 +32,7 @@ import redis
 from dex_tasks.broker.metrics import ENDED_KEY, SWEEP_STATS_KEY
 from dex_tasks.broker.notify import CHANNEL_PREFIX
 from dex_tasks.broker.redis_clients import redis_client, safe_url
-from dex_tasks.broker.routing import HELD_KEY, TOOL_ALIVE_KEY, WORKER_KEY, queue_for
+from dex_tasks.broker.routing import HELD_KEY, UNACKED_KEY, WORKER_KEY, queue_for
 from dex_tasks.errors import BrokerRefusedError
 from dex_tasks.logs import redact
 from dex_tasks.settings import DexSettings
@@ -59,8 +59,11 @@ BEAT_COMMANDS: tuple[Command, ...] = (
     ("SET", "dex:sweep-lock:preflight", "x", "NX", "PX", "1000"),
     ("GET", "dex:sweep-lock:preflight"),
     ("DEL", "dex:sweep-lock:preflight"),
+    # (redis-py's lock releases and extends itself with scripts)
+    ("EVALSHA", "0" * 40, "1", "dex:sweep-lock:preflight", "x"),
     ("HSET", SWEEP_STATS_KEY, "preflight", "1"),
-    ("SCAN", "0", "MATCH", TOOL_ALIVE_KEY + "*", "COUNT", "1"),
+    ("SCAN", "0", "MATCH", WORKER_KEY + "*", "COUNT", "1"),
+    ("HVALS", UNACKED_KEY),
     ("INFO", "server"),
 )
 
@@ -72,15 +75,15 @@ WORKER_COMMANDS: tuple[Command, ...] = (
     ("BRPOP", queue_for("preflight"), "1"),
     ("LLEN", queue_for("preflight")),
     ("SADD", "_kombu.binding." + queue_for("preflight"), "x"),
-    ("HSET", "unacked", "preflight", "x"),
-    ("HDEL", "unacked", "preflight"),
+    ("HSET", UNACKED_KEY, "preflight", "x"),
+    ("HDEL", UNACKED_KEY, "preflight"),
     ("ZADD", "unacked_index", "0", "preflight"),
     ("ZREM", "unacked_index", "preflight"),
     ("ZRANGEBYSCORE", "unacked_index", "0", "0"),
     ("SET", "dex:claim:preflight", "x", "NX", "EX", "1"),
     ("SET", WORKER_KEY + "preflight", "x", "EX", "1"),
-    ("SET", TOOL_ALIVE_KEY + "preflight", "x", "EX", "1"),
-    ("SET", HELD_KEY + "preflight", "x", "EX", "1"),
+    ("SADD", HELD_KEY + "preflight", "x"),
+    ("EXPIRE", HELD_KEY + "preflight", "1"),
 )
 
 ROLES: dict[str, tuple[Command, ...]] = {
