@@ -27,24 +27,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from tests.helpers import free_port, wait_until
+from dex_tasks.ops.procutil import free_port, wait_until
 
 # PgBouncer refuses to run as root; started by root it switches to this user (-u).
 RUN_AS = "postgres"
+MISSING = "pgbouncer is not installed (apt-get install pgbouncer)"
 
 
-def pgbouncer_binary() -> str:
-    """The ``pgbouncer`` executable; skips the test where it is missing (fails on CI, where
+def pgbouncer_binary() -> str | None:
+    """The ``pgbouncer`` executable (Debian installs it in /usr/sbin), or None."""
+    found = shutil.which("pgbouncer")
+    if found is None and os.path.exists("/usr/sbin/pgbouncer"):
+        found = "/usr/sbin/pgbouncer"
+    return found
+
+
+def require_pgbouncer() -> str:
+    """The ``pgbouncer`` executable; in a test where it is missing, skips (fails on CI, where
     ``.ci/run`` installs it)."""
-    binary = shutil.which("pgbouncer") or (
-        "/usr/sbin/pgbouncer" if os.path.exists("/usr/sbin/pgbouncer") else None)
+    binary = pgbouncer_binary()
     if binary is None:
-        message = "pgbouncer is not installed (apt-get install pgbouncer)"
+        import pytest
+
         if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+            pytest.fail(MISSING)
+        pytest.skip(MISSING)
     return binary
 
 
@@ -84,6 +91,8 @@ class PgBouncer:
 
     def start(self) -> PgBouncer:
         binary = pgbouncer_binary()
+        if binary is None:
+            raise RuntimeError(MISSING)
         self.port = self.port or free_port()
         users = self.auth if self.auth is not None else {"postgres": ""}
         (self.dir / "userlist.txt").write_text(
@@ -139,7 +148,9 @@ class PgBouncer:
 
 @contextmanager
 def pgbouncer(server: str = "127.0.0.1:5432", **options: Any) -> Iterator[PgBouncer]:
-    """A started :class:`PgBouncer` for the ``with`` block (``options``: its fields)."""
+    """A started :class:`PgBouncer` for the ``with`` block of a test (``options``: its
+    fields)."""
+    require_pgbouncer()
     bouncer = PgBouncer(server=server, **options).start()
     try:
         yield bouncer
