@@ -140,16 +140,14 @@ def refusal(err: redis.RedisError, url: str) -> str:
 
 def check_redis(client: redis.Redis, commands: Sequence[Command]) -> None:
     """One try: connect (authenticating), then queue ``commands`` inside ``MULTI`` and
-    discard them. Raises what Redis answered: the first refusal of a command, or the error
-    of the connection."""
+    discard them, all sent at once (one round trip). Raises what Redis answered: the first
+    refusal of a command, or the error of the connection."""
     # (Any: redis-py's Connection methods are untyped.)
     conn: Any = client.connection_pool.get_connection()
     try:
-        conn.send_command("MULTI")
-        conn.read_response()
+        conn.send_packed_command(conn.pack_commands([("MULTI",), *commands, ("DISCARD",)]))
         refused: redis.RedisError | None = None
-        for command in commands:
-            conn.send_command(*command)
+        for _ in range(len(commands) + 2):
             try:
                 conn.read_response()
             except redis.ResponseError as err:
@@ -157,8 +155,6 @@ def check_redis(client: redis.Redis, commands: Sequence[Command]) -> None:
                 # refusal of ours. Every answer is read, so DISCARD's is the last.
                 if refused is None and "not allowed" not in str(err).lower():
                     refused = err
-        conn.send_command("DISCARD")
-        conn.read_response()
     finally:
         # Never handed back: a connection in MULTI, or with answers unread, is of no use.
         conn.disconnect()
