@@ -397,3 +397,27 @@ def test_a_store_that_is_read_only_for_a_while_is_waited_for(postgres_required: 
         read_only(False)
         admin.dispose()
         store.close()
+
+
+def test_a_url_that_reaches_another_kind_of_server_is_refused(sqlite_url: str) -> None:
+    # Given DEX_REDIS_URL pointing at a port where a web server answers (as nginx does, with
+    # a status line, to anything it cannot parse)
+    import socketserver
+
+    class Web(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            self.request.recv(1024)
+            self.request.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    web = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Web)
+    web.daemon_threads = True
+    thread = threading.Thread(target=web.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"redis://127.0.0.1:{web.server_address[1]}/0"
+        # When an agent starts, then it says at once that this is no Redis, and where to look
+        with pytest.raises(BrokerRefusedError, match="answers, but not as Redis does"):
+            DexClient(fast_settings(url, sqlite_url))
+    finally:
+        web.shutdown()
+        web.server_close()

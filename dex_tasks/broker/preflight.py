@@ -132,6 +132,9 @@ def refusal(err: redis.RedisError, url: str) -> str:
         return (f"{where} refused a command to {who} (NOPERM {said}): give that user the "
                 f"commands, keys and channels dex-tasks uses (ACL SETUSER {user or 'default'} "
                 "... : docs/deploying.md lists them)")
+    if isinstance(err, redis.exceptions.InvalidResponse):
+        return (f"{where} answers, but not as Redis does ({said}): check the host and port "
+                "in DEX_REDIS_URL (rediss:// for a Redis that only speaks TLS)")
     if "unknown command" in said.lower():
         return (f"{where} does not know a command dex-tasks needs ({said}): use Redis 6.2 or "
                 "later, without rename-command for the commands docs/deploying.md lists")

@@ -188,7 +188,9 @@ def beat(
     settings = DexSettings()
     setup_process_logging(log_format, loglevel, secret_or_none(settings),
                           celery=True)
-    until_redis_answers(settings, "beat")
+    # A Redis that refuses beat is one line now; one that is down is not waited for: the
+    # deadline and lease sweeps need only the store, and run meanwhile.
+    refuse_if_refused(settings, "beat", timeout=5.0)
     store = Store(settings.database_url)
     until_store_answers(store.create_all)
     store.close()
