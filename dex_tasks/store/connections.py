@@ -294,6 +294,7 @@ def server_engine(url: str, *, ping_after_idle: float | None,
         # with bound values, so psycopg can prepare it like the others.
         conn.execute(_SET_BOUNDS, {"bound_statement": f"{int(bounds.statement * 1000)}ms",
                                    "bound_lock": f"{int(bounds.lock * 1000)}ms"})
+
     @event.listens_for(engine, "handle_error")
     def _read_only_is_a_lost_server(context: Any) -> None:
         # A server that is read-only now (a primary demoted during a failover, a standby a
