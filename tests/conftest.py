@@ -20,7 +20,7 @@ from dex_tasks import DexClient, DexSettings, StoreUnavailableError
 from dex_tasks.worker.execution import Runtime
 from dex_tasks.worker.sweeps import run_job
 from tests.helpers import RedisServer, WorkerProcess, free_port, start_process
-from tests.pgbouncer import PgBouncer
+from tests.pgbouncer import PgBouncer, require_pgbouncer
 
 POSTGRES_URL = os.environ.get("DEX_TEST_POSTGRES_URL", "")
 
@@ -84,6 +84,7 @@ def pooler() -> Iterator[PgBouncer]:
         if os.environ.get("CI"):
             pytest.fail("DEX_TEST_POSTGRES_URL must be set on CI")
         pytest.skip("DEX_TEST_POSTGRES_URL is not set")
+    require_pgbouncer()
     host, port = make_url(POSTGRES_URL).host, make_url(POSTGRES_URL).port or 5432
     bouncer = PgBouncer(server=f"{host}:{port}").start()
     yield bouncer

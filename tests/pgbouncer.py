@@ -27,24 +27,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from tests.helpers import free_port, wait_until
+from dex_tasks.ops.procutil import free_port, wait_until
 
 # PgBouncer refuses to run as root; started by root it switches to this user (-u).
 RUN_AS = "postgres"
+MISSING = "pgbouncer is not installed (apt-get install pgbouncer)"
 
 
-def pgbouncer_binary() -> str:
-    """The ``pgbouncer`` executable; skips the test where it is missing (fails on CI, where
+def pgbouncer_binary() -> str | None:
+    """The ``pgbouncer`` executable (Debian installs it in /usr/sbin), or None."""
+    found = shutil.which("pgbouncer")
+    if found is None and os.path.exists("/usr/sbin/pgbouncer"):
+        found = "/usr/sbin/pgbouncer"
+    return found
+
+
+def require_pgbouncer() -> str:
+    """The ``pgbouncer`` executable; in a test where it is missing, skips (fails on CI, where
     ``.ci/run`` installs it)."""
-    binary = shutil.which("pgbouncer") or (
-        "/usr/sbin/pgbouncer" if os.path.exists("/usr/sbin/pgbouncer") else None)
+    binary = pgbouncer_binary()
     if binary is None:
-        message = "pgbouncer is not installed (apt-get install pgbouncer)"
+        import pytest
+
         if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+            pytest.fail(MISSING)
+        pytest.skip(MISSING)
     return binary
 
 
@@ -84,6 +91,8 @@ class PgBouncer:
 
     def start(self) -> PgBouncer:
         binary = pgbouncer_binary()
+        if binary is None:
+            raise RuntimeError(MISSING)
         self.port = self.port or free_port()
         users = self.auth if self.auth is not None else {"postgres": ""}
         (self.dir / "userlist.txt").write_text(
@@ -103,18 +112,22 @@ class PgBouncer:
     def _listening(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
             raise RuntimeError(f"pgbouncer exited with {self.proc.returncode}:\n{self.log()}")
+        host = self.settings.get("listen_addr", "127.0.0.1").split(",")[0].strip()
         try:
-            socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+            socket.create_connection(("127.0.0.1" if host in ("*", "0.0.0.0") else host,
+                                      self.port), timeout=0.5).close()
         except OSError:
             return False
         return True
 
-    def url(self, database_url: str, **parts: Any) -> str:
-        """``database_url`` pointed at this pooler (``parts``: other URL parts to set, such
-        as ``username`` or ``password``)."""
+    def url(self, database_url: str, **parts: str | int) -> str:
+        """``database_url`` pointed at this pooler (``parts``: URL parts to set besides, or
+        instead, such as ``username``, ``password``, or ``host`` where ``listen_addr`` is
+        another address than 127.0.0.1)."""
         from sqlalchemy.engine import make_url
 
-        url = make_url(database_url).set(host="127.0.0.1", port=self.port, **parts)
+        where: dict[str, Any] = {"host": "127.0.0.1", "port": self.port, **parts}
+        url = make_url(database_url).set(**where)
         return url.render_as_string(hide_password=False)
 
     def log(self) -> str:
@@ -134,9 +147,11 @@ class PgBouncer:
 
 
 @contextmanager
-def pgbouncer(server: str = "127.0.0.1:5432", **options: object) -> Iterator[PgBouncer]:
-    """A started :class:`PgBouncer` for the ``with`` block (``options``: its fields)."""
-    bouncer = PgBouncer(server=server, **options).start()  # type: ignore[arg-type]
+def pgbouncer(server: str = "127.0.0.1:5432", **options: Any) -> Iterator[PgBouncer]:
+    """A started :class:`PgBouncer` for the ``with`` block of a test (``options``: its
+    fields)."""
+    require_pgbouncer()
+    bouncer = PgBouncer(server=server, **options).start()
     try:
         yield bouncer
     finally:

@@ -26,7 +26,7 @@ from tests.helpers import (
     start_process,
     started_pid,
 )
-from tests.pgbouncer import PgBouncer
+from tests.pgbouncer import PgBouncer, require_pgbouncer
 from workers import ledger
 
 
@@ -56,6 +56,7 @@ def server_link() -> Iterator[TcpProxy]:
 @pytest.fixture
 def documented_pooler(server_link: TcpProxy) -> Iterator[PgBouncer]:
     """A PgBouncer with docs/deploying.md's settings, in front of ``server_link``."""
+    require_pgbouncer()
     bouncer = PgBouncer(server=f"127.0.0.1:{server_link.port}",
                         settings=documented_settings()).start()
     yield bouncer

@@ -294,10 +294,24 @@ def server_engine(url: str, *, ping_after_idle: float | None,
         # with bound values, so psycopg can prepare it like the others.
         conn.execute(_SET_BOUNDS, {"bound_statement": f"{int(bounds.statement * 1000)}ms",
                                    "bound_lock": f"{int(bounds.lock * 1000)}ms"})
+
+    @event.listens_for(engine, "handle_error")
+    def _read_only_is_a_lost_server(context: Any) -> None:
+        # A server that is read-only now (a primary demoted during a failover, a standby a
+        # pooler or DNS still points at) refuses writes with 25006; the new primary is
+        # reached on a new connection. Taken as a lost connection, it is retried as one (the
+        # pool drops its connections to that server), never reported as the statement's
+        # fault.
+        if getattr(context.original_exception, "sqlstate", None) == READ_ONLY_SQLSTATE:
+            context.is_disconnect = True
+
     if ping_after_idle is not None:
         _ping_after_idle(engine, ping_after_idle)
     return engine
 
+
+# read_only_sql_transaction: a write sent to a server that only reads.
+READ_ONLY_SQLSTATE = "25006"
 
 # Where a setting the client sent in its startup options says so (pg_settings.source).
 _OPTIONS_TAKEN = ("SELECT source FROM pg_settings "
@@ -349,9 +363,11 @@ def _ping_after_idle(engine: Engine, seconds: float) -> None:
 
 def retryable(err: DBAPIError, *, sqlite: bool) -> bool:
     """True when running the same transaction again may succeed: the connection was lost or
-    could not be made, the server shut the session down, or the database was busy (a
-    deadlock, a serialisation failure, SQLite's lock). False for errors in the statement or
-    the data (a missing table, a constraint), which would fail again the same way."""
+    could not be made, the server shut the session down or is read-only (a failover under
+    way: see ``server_engine``), or the database was busy (a deadlock, a serialisation
+    failure, SQLite's lock). False for errors in the statement or the data (a missing table,
+    a constraint), which would fail again the same way, and for a server that refused us
+    (``refusals.refusal``, which the store checks first)."""
     if err.connection_invalidated:
         return True
     if isinstance(err, IntegrityError):
