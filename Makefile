@@ -49,7 +49,12 @@ CHAOS_ARGS ?=
 ## PostgreSQL): hosts in network namespaces, silent drops, production timings. PARTITION_ARGS
 ## e.g. "--scenario P1".
 PARTITION_ARGS ?=
+## Then the fleet of issue 30 (chaos/fleet.py; root, iproute2, iptables, pgbouncer, PostgreSQL's
+## server binaries): the curve from 1 to 40 worker processes, a Sentinel failover under load,
+## and a 30-minute soak. FLEET_ARGS e.g. "--soak-minutes 5".
+FLEET_ARGS ?=
 chaos:
 	$(PY) -m pytest -m long $(PYTEST_ARGS)
 	$(PY) -m chaos --calls 3000 --workers 3 --duration 120 $(CHAOS_ARGS)
 	$(PY) -m chaos.partitions $(PARTITION_ARGS)
+	$(PY) -m chaos.fleet --soak-minutes 30 $(FLEET_ARGS)

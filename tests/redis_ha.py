@@ -29,12 +29,14 @@ class Sentinel:
     dir: Path
     proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, master_port: int, quorum: int) -> Sentinel:
+    def start(self, master_port: int, quorum: int, address: str = "127.0.0.1") -> Sentinel:
         conf = self.dir / f"sentinel-{self.port}.conf"
+        binds = " ".join(dict.fromkeys(("127.0.0.1", address)))
         # Fast failure detection so a test fails over in seconds, not the default 30 s.
         conf.write_text(
-            f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
-            f"sentinel monitor {MASTER_NAME} 127.0.0.1 {master_port} {quorum}\n"
+            f"port {self.port}\nbind {binds}\ndir {self.dir}\n"
+            f"protected-mode {'yes' if address == '127.0.0.1' else 'no'}\n"
+            f"sentinel monitor {MASTER_NAME} {address} {master_port} {quorum}\n"
             f"sentinel down-after-milliseconds {MASTER_NAME} 1000\n"
             f"sentinel failover-timeout {MASTER_NAME} 5000\n"
             f"sentinel parallel-syncs {MASTER_NAME} 1\n"
@@ -66,7 +68,11 @@ class SentinelGroup:
     @property
     def url(self) -> str:
         """``DEX_REDIS_URL`` for this group (database 0)."""
-        return ";".join(f"sentinel://127.0.0.1:{s.port}/0" for s in self.sentinels)
+        return self.url_at("127.0.0.1")
+
+    def url_at(self, address: str) -> str:
+        """``DEX_REDIS_URL`` for this group as hosts reach it at ``address`` (database 0)."""
+        return ";".join(f"sentinel://{address}:{s.port}/0" for s in self.sentinels)
 
     def master_port(self) -> int | None:
         """The master's port as a majority of the Sentinels see it now."""
@@ -117,13 +123,24 @@ class SentinelGroup:
         self.master.cleanup()
 
 
-def start_sentinel_group() -> SentinelGroup:
-    """Start the group and wait until it could fail over."""
-    master = RedisServer(free_port()).start()
+def start_sentinel_group(address: str = "127.0.0.1",
+                         extra: list[str] | None = None) -> SentinelGroup:
+    """Start the group and wait until it could fail over.
+
+    ``address``: where the hosts reach the group (every server also listens on 127.0.0.1),
+    e.g. a network's infrastructure host (``tests/netns.py``); the Sentinels give that address
+    for the master. ``extra``: more options for both Redis servers (``--appendonly yes``).
+    """
+    binds = ["--bind", *dict.fromkeys(("127.0.0.1", address)), *(extra or [])]
+    if address != "127.0.0.1":
+        # Peers on another address (the hosts, the replica linking to it) are not loopback.
+        binds += ["--protected-mode", "no"]
+    master = RedisServer(free_port(), extra=binds).start()
     replica = RedisServer(free_port(),
-                          extra=["--replicaof", "127.0.0.1", str(master.port)]).start()
+                          extra=[*binds, "--replicaof", address, str(master.port)]).start()
     workdir = Path(tempfile.mkdtemp(prefix="dex-sentinel-"))
-    sentinels = [Sentinel(free_port(), workdir).start(master.port, quorum=2) for _ in range(3)]
+    sentinels = [Sentinel(free_port(), workdir).start(master.port, quorum=2, address=address)
+                 for _ in range(3)]
     group = SentinelGroup(master, replica, sentinels)
     try:
         group.wait_ready()
