@@ -57,6 +57,7 @@ from dex_tasks.integrations.langchain.calls import DEFAULT_WAIT_TIMEOUT, DEX_APP
 from dex_tasks.integrations.langchain.calls import tool_message as _tool_message  # noqa: F401 - its name before the split
 from dex_tasks.integrations.langchain.checkpointer import DexCheckpointer
 from dex_tasks.integrations.langchain.middleware import DexMiddleware
+from dex_tasks.integrations.langchain.serde import StrictSerializer, UnsafeCheckpointError
 from dex_tasks.integrations.langchain.tools import dex_tools
 
 __all__ = [
@@ -64,6 +65,8 @@ __all__ = [
     "DEX_APPROVAL",
     "DexCheckpointer",
     "DexMiddleware",
+    "StrictSerializer",
+    "UnsafeCheckpointError",
     "apply_decisions",
     "dex_tools",
     "key_part",
