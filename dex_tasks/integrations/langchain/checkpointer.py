@@ -117,6 +117,21 @@ class DexCheckpointer(BaseCheckpointSaver[str]):
         """Delete every checkpoint and write of a thread."""
         self._store.delete_thread(str(thread_id))
 
+    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """Of each thread, keep the newest checkpoint of each namespace (``"keep_latest"``,
+        with the ancestors its ``DeltaChannel`` values are rebuilt from), or delete them all
+        (``"delete"``); their writes go with them."""
+        self._store.prune(thread_ids, strategy)
+
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Copy every checkpoint and write of a thread, every namespace, to another thread
+        (a fork: the copy goes on independently)."""
+        self._store.copy_thread(source_thread_id, target_thread_id)
+
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """Delete every checkpoint (and its writes) made by these runs (metadata ``run_id``)."""
+        self._store.delete_for_runs(run_ids)
+
     def get_next_version(self, current: str | None, channel: None) -> str:
         """LangGraph's string versions (as its SQLite and in-memory savers make them)."""
         if current is None:
@@ -156,6 +171,18 @@ class DexCheckpointer(BaseCheckpointSaver[str]):
     async def adelete_thread(self, thread_id: str) -> None:
         """:meth:`delete_thread` in a thread."""
         await asyncio.to_thread(self.delete_thread, thread_id)
+
+    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """:meth:`prune` in a thread."""
+        await asyncio.to_thread(self.prune, thread_ids, strategy=strategy)
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """:meth:`copy_thread` in a thread."""
+        await asyncio.to_thread(self.copy_thread, source_thread_id, target_thread_id)
+
+    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """:meth:`delete_for_runs` in a thread."""
+        await asyncio.to_thread(self.delete_for_runs, run_ids)
 
     def _tuple(self, stored: Any) -> CheckpointTuple:
         # ``stored``: a dex_tasks.store.checkpoints.StoredCheckpoint
