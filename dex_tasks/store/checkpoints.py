@@ -147,8 +147,8 @@ class Checkpoints:
         def op(conn: Connection) -> int:
             rows = thread_rows(conn, threads)
             kept = set() if strategy == "delete" else keep_latest(rows)
-            return delete_checkpoints(conn, [_row_ids(r) for r in rows
-                                             if _row_ids(r) not in kept])[0]
+            return delete_checkpoints(conn, [row_ids(r) for r in rows
+                                             if row_ids(r) not in kept])[0]
         return self.store.writing(op)
 
     def delete_for_runs(self, run_ids: Sequence[str]) -> int:
@@ -293,7 +293,7 @@ def _writes_of(conn: Connection, checkpoints: Iterable[StoredCheckpoint],
 # -- keeping and deleting, for prune ------------------------------------------------------------
 
 
-def _row_ids(row: Any) -> Ids:
+def row_ids(row: Any) -> Ids:
     return (row.thread_id, row.checkpoint_ns, row.checkpoint_id)
 
 
@@ -333,7 +333,7 @@ def keep_latest(rows: Iterable[Any]) -> set[Ids]:
         depth = delta_depth(newest.metadata)
         row, hops = newest, 0
         while row is not None and (depth is None or hops <= depth):
-            kept.add(_row_ids(row))
+            kept.add(row_ids(row))
             row, hops = by_id.get(row.parent_checkpoint_id or ""), hops + 1
     return kept
 
