@@ -60,6 +60,7 @@ from dex_tasks.integrations.extras import needs_extra
 with needs_extra("crewai", "dex_tasks.integrations.crewai"):
     from crewai import BaseLLM
     from crewai.agents.parser import AgentFinish, OutputParserError, parse
+    from crewai.events.listeners.tracing.trace_listener import TraceCollectionListener
     from crewai.hooks import register_after_tool_call_hook, register_before_tool_call_hook
     from crewai.hooks.tool_hooks import ToolCallHookContext
     from crewai.tools import BaseTool
@@ -120,6 +121,21 @@ def _register_hooks() -> None:
             register_before_tool_call_hook(_remember_step)
             register_after_tool_call_hook(_forget_step)
             _hook_registered = True
+    _no_trace_prompt()
+
+
+def _no_trace_prompt() -> None:
+    """Turn off CrewAI's first-run prompt in this process.
+
+    After a crew's first run on a machine, CrewAI asks on the console whether to view its
+    execution traces and waits 20 s for an answer (CrewAI 1.6's ``FirstTimeTraceHandler``,
+    decided once per process by its trace listener). A dex crew runs in an agent process,
+    run again after a person decided, with nobody at its console: every run on a fresh
+    machine, container or CI job stopped 20 s there. Tracing itself is left as configured
+    (``Crew(tracing=...)``, ``CREWAI_TRACING_ENABLED``); nothing is written to CrewAI's user
+    file, so its own CLI still asks where it is used by hand.
+    """
+    TraceCollectionListener().first_time_handler.is_first_time = False
 
 
 class DexCrewTool(BaseTool):
@@ -284,6 +300,7 @@ class DexCrewLLM(BaseLLM):
         super().__init__(model=getattr(llm, "model", None) or "dex-journaled",
                          temperature=getattr(llm, "temperature", None))
         self.client, self.session_id = client, session_id
+        _no_trace_prompt()
 
     @property  # type: ignore[override]
     def stop(self) -> list[str]:
