@@ -177,25 +177,6 @@ def test_crewais_own_retry_of_a_tool_that_raised_never_charges_twice(
     assert len(made) == 2
 
 
-def test_a_later_task_runs_while_an_earlier_one_awaits_approval(
-    client: DexClient, start_worker: StartWorker, ledger_path: Path,
-) -> None:
-    start_worker(concurrency=2)
-    example = load_example()
-    crew = example.build_crew(client, "cm", "1001")
-    (agent,) = crew.agents
-    crew = Crew(agents=[agent], tasks=[*crew.tasks, Task(
-        description="Refund order 1001 again.", expected_output="The outcome.", agent=agent)])
-    assert example.run_crew(client, crew, "cm") == 3
-    # Both tasks asked for their refund: two calls held (CrewAI's cache, which gave the second
-    # task the first one's lookup, keeps no "awaits approval"); the second task's prompt was
-    # not queued as a user message behind the first task's open turn
-    snapshot = client.get_agent_snapshot("cm")
-    assert len(snapshot.pending_interrupts) == 2
-    assert not [m for m in snapshot.messages if m.status == "queued"]
-    assert len(ledger.executions(ledger_path)) == 1  # the lookup
-
-
 def test_the_example_never_stops_on_crewais_trace_prompt(
     start_worker: StartWorker, env: dict[str, str], tmp_path: Path,
 ) -> None:
