@@ -98,6 +98,23 @@ def batch(
          postgres_url=postgres_admin_url(postgres_url), out_dir=_out(out), console=console)
 
 
+@app.command(name="tools")
+def many_tools(
+    counts: str = typer.Option("5,50,500", "--counts", help="Catalog sizes, comma-separated."),
+    idle: float = typer.Option(10.0, "--idle", min=1, help="Seconds of idling measured."),
+    latency_calls: int = typer.Option(100, "--latency-calls", min=1,
+                                      help="Calls made one at a time per size."),
+    burst: int = typer.Option(1000, "--burst", min=1, help="Calls sent together per size."),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """Many tools in the catalog: idle worker and Redis CPU, one call's latency, a burst."""
+    from bench.many_tools import run_many_tools
+
+    sizes = [int(c) for c in counts.split(",") if c.strip()]
+    _run(run_many_tools, counts=sizes, idle=idle, latency_calls=latency_calls, burst=burst,
+         out_dir=_out(out), console=console)
+
+
 @app.command(name="io")
 def io_bound(
     calls: int = typer.Option(2000, "--calls", min=1, help="Calls per variant per round."),

@@ -49,7 +49,7 @@ from bench.infra import (
 from bench.targets import check, print_targets
 from dex_tasks import DexSettings
 from dex_tasks.broker.celery_app import create_app
-from dex_tasks.broker.routing import TOOL_ALIVE_KEY
+from dex_tasks.broker.routing import WORKER_KEY, worker_record
 from dex_tasks.store import CALLS, INTERRUPTS, Store
 from dex_tasks.worker.execution import Runtime
 from dex_tasks.worker.sweeps import JOBS, reap_expired_leases
@@ -307,7 +307,9 @@ def run_sweeps(
                                      redis=redis.Redis.from_url(settings.redis_url), app=app)
                         # The republisher sends only calls whose tool a live worker serves:
                         # stand in for a worker's announcement (no worker consumes here).
-                        rt.redis.set(TOOL_ALIVE_KEY + READ_TOOL, "bench", ex=24 * 3600)
+                        rt.redis.set(WORKER_KEY + "bench", worker_record(
+                            "bench", [READ_TOOL], pool="prefork", concurrency=1),
+                            ex=24 * 3600)
                         try:
                             timings += run_scale(rt, kind, scale, jobs, overdue, repeats,
                                                  progress, bar)

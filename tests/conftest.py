@@ -151,10 +151,10 @@ def start_worker(env: dict[str, str], tmp_path: Path) -> Iterator[StartWorker]:
     def start(concurrency: int = 2, tools: str = "workers.example_tools",
               extra_env: dict[str, str] | None = None, wait: bool = True,
               serve: str | None = None, pool: str | None = None,
-              events: bool = False) -> WorkerProcess:
+              events: bool = False, args: list[str] | None = None) -> WorkerProcess:
         log_path = tmp_path / f"worker-{next(counter)}.log"
         options = [*(["--serve", serve] if serve else []), *(["--pool", pool] if pool else []),
-                   *(["--events"] if events else [])]
+                   *(["--events"] if events else []), *(args or [])]
         proc = start_process(["worker", "--tools", tools, "-c", str(concurrency), *options],
                              {**env, **(extra_env or {})}, log_path)
         worker = WorkerProcess(proc, log_path)

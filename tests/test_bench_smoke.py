@@ -20,6 +20,7 @@ from bench.driver import run_driver
 from bench.infra import child_env
 from bench.io_bound import run_io, threads_pool_supported
 from bench.latency import run_latency
+from bench.many_tools import run_many_tools
 from bench.memory import run_memory
 from bench.profile import run_profile
 from bench.scrape import run_scrape
@@ -179,3 +180,15 @@ def test_scrape_times_metrics_against_ended_calls(tmp_path: Path) -> None:
         (s, n) for s in stores for n in (0, 500)]
     assert all(t["scrape_ms"] > 0 and t["old_scan_ms"] > 0 for t in data["timings"])
     assert [t["target"] for t in data["targets"]] == ["scrape_growth"] * len(stores)
+
+
+def test_many_tools_measures_each_catalog_size_and_names_one_key_per_queue(
+    tmp_path: Path,
+) -> None:
+    data = _written(run_many_tools(counts=[3, 12], idle=1, latency_calls=3, burst=12,
+                                   out_dir=tmp_path, console=_quiet()), tmp_path)
+    assert [run["tools"] for run in data["runs"]] == [3, 12]
+    for run in data["runs"]:
+        # One list per queue (no priority steps): the tools' queues, reconcile and webhooks.
+        assert run["brpop_keys"] == run["tools"] + 2, run
+        assert run["burst_calls_per_s"] > 0 and run["latency_p50_ms"] > 0

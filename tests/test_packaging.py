@@ -32,6 +32,10 @@ def test_the_wheel_installs_only_dex_tasks_with_its_metadata(tmp_path: Path) -> 
     names = wheel.namelist()
     # Then nothing but the package and its metadata: no top-level workers or beat_schedule
     assert {n.split("/")[0] for n in names} == {"dex_tasks", "dex_tasks-0.1.0.dist-info"}
+    # Every module of the source tree is in it (a subpackage missing from the package list
+    # installed nothing of itself: a framework adapter split into a package, for one)
+    modules = {p.relative_to(source).as_posix() for p in (source / "dex_tasks").rglob("*.py")}
+    assert modules <= set(names), sorted(modules - set(names))
     assert {"dex_tasks/py.typed", "dex_tasks/examples/tools.py",
             "dex_tasks/examples/ledger.py", "dex_tasks/worker/schedule.py",
             "dex_tasks/api/templates/base.html",

@@ -42,7 +42,9 @@ def test_a_message_lost_in_transit_is_republished_long_before_the_window(
     rt = Runtime(settings=lost_client.settings, store=lost_client.store,
                  redis=redis.Redis.from_url(lost_client.settings.redis_url), app=lost_client.app)
     # A live worker serves the tool (its announcement), so the republisher acts on it
-    rt.redis.set(routing.TOOL_ALIVE_KEY + "lookup_order", "dex-1@gone", ex=60)
+    rt.redis.set(routing.WORKER_KEY + "dex-1@gone",
+                 routing.worker_record("dex-1@gone", ["lookup_order"], pool="prefork",
+                                       concurrency=1), ex=60)
     record = lost_client.call_tool(session_id="s", turn_id="t", tool_call_id="c",
                                    tool="lookup_order", arguments={"order_id": "1001"})
     queue = routing.queue_for("lookup_order")

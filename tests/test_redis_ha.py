@@ -21,6 +21,7 @@ import pytest
 import redis
 
 from dex_tasks import TOOL_DID_NOT_RUN, CallStatus, DexClient, DexSettings, ToolCallRecord
+from dex_tasks.broker import routing
 from dex_tasks.broker.celery_app import create_app
 from dex_tasks.broker.metrics import SWEEP_STATS_KEY, metrics_redis, render_metrics
 from dex_tasks.broker.redis_clients import redis_client
@@ -66,6 +67,12 @@ def test_sentinel_failover_under_load_loses_nothing_and_runs_nothing_twice(
     client = DexClient(settings)
     try:
         worker.wait_ready()
+        # The worker announced itself and its tools through the Sentinels (it used to fail
+        # on the sentinel:// URL, so its tools looked unserved to the sweeps)
+        announced = redis_client(settings)
+        wait_until(lambda: "charge_card" in routing.live_tools(announced), 10,
+                   "the worker's announcement")
+        announced.close()
         old_master = sentinel_group.master_port()
         assert old_master == sentinel_group.master.port
 

@@ -15,7 +15,7 @@ import redis
 
 from dex_tasks import CallStatus, DexClient
 from dex_tasks.limits import text_problem
-from dex_tasks.worker import execution
+from dex_tasks.worker import endings
 from dex_tasks.worker.execution import Runtime
 from tests.conftest import StartWorker, fast_settings
 from workers import example_tools, ledger
@@ -72,7 +72,7 @@ def test_a_terminal_write_the_store_refuses_for_its_data_ends_the_call_failed(
                      redis=redis.Redis.from_url(redis_url), app=client.app)
         try:
             # When the worker records it (the body's own write, not reachable from a tool)
-            won = execution._finish(rt, record.key, "w:1", CallStatus.FAILED,
+            won = endings.finish(rt, record.key, "w:1", CallStatus.FAILED,
                                     error="bad \udc80", reason="tool_error")
         finally:
             rt.redis.close()

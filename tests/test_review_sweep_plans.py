@@ -73,7 +73,7 @@ def test_expire_unserved_reads_only_the_unserved_tools_calls(
             conn.execute(CALLS.insert(), rows)
             if not store.is_sqlite:
                 conn.execute(text("ANALYZE"))
-        Presence(redis_url, "w@h", ["lookup_order"], "prefork", 1,
+        Presence(client, "w@h", ["lookup_order"], "prefork", 1,
                  settings.worker_heartbeat_seconds).beat_once()
         wait_until(lambda: announcements_complete(client, settings.worker_heartbeat_seconds),
                    10, "Redis to be up longer than an announcement lasts")

@@ -229,3 +229,38 @@ def test_a_reconcile_job_is_delivered_to_the_reconcile_queue_only(
     assert tool_queues == [] or all(rt.redis.llen(q) == 0 for q in tool_queues)
     bound = rt.redis.smembers(f"_kombu.binding.{RECONCILE_QUEUE}")
     assert {b.decode().rsplit("\x06\x16", 1)[-1] for b in bound} == {RECONCILE_QUEUE}
+
+
+def test_a_workers_brpop_is_the_command_redis_py_would_send_in_kombus_order(
+    redis_url: str,
+) -> None:
+    # Given an app's consumer channel over many tool queues (one list per queue)
+    from dex_tasks.broker.celery_app import create_app
+    from dex_tasks.settings import DexSettings
+
+    app = create_app(DexSettings(redis_url=redis_url, database_url="sqlite://"))
+    queues = [queue_for(f"tool_{i}") for i in range(300)] + [queue_for("ünïcødé tool")]
+    try:
+        with app.connection_for_write() as conn:
+            channel = conn.default_channel
+            assert channel.priority_steps == [0]
+            channel._active_queues[:] = queues
+            channel._update_queue_cycle()
+            channel.client.connection = channel.client.connection_pool.get_connection()
+            sent: list[list[bytes]] = []
+            channel.client.connection.send_packed_command = sent.append
+            # When it starts a BRPOP, after kombu rotated a queue to the end
+            channel._queue_cycle.rotate(queues[5])
+            channel._brpop_start()
+            # Then the bytes are redis-py's packing of kombu's own key list and timeout
+            order = channel._queue_cycle.consume(len(queues))
+            assert order[-1] == queues[5]
+            expected = b"".join(channel.client.connection.pack_command(
+                "BRPOP", *order, channel.brpop_timeout))
+            assert len(sent) == 1 and b"".join(sent[0]) == expected
+            assert channel._in_poll is channel.client.connection
+            channel.client.connection_pool.release(channel.client.connection)
+            channel.client.connection = None
+            channel._in_poll = None
+    finally:
+        app.close()

@@ -19,7 +19,8 @@ import functools
 from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from dex_tasks.agent.client import DexClient, WaitPauses
+from dex_tasks.agent.client import DexClient
+from dex_tasks.agent.session_methods import WaitPauses
 from dex_tasks.settings import DexSettings
 from dex_tasks.store.records import ToolCallRecord
 

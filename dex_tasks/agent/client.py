@@ -1,4 +1,9 @@
-"""DexClient: what an agent process uses to run tool calls and read their records."""
+"""DexClient: what an agent process uses to run tool calls and read their records.
+
+This module holds the call path: recording calls (one, a turn's batch, a journaled step),
+sending them, the catalog lookups they need. What the client does with a session besides
+(reads, waits, approvals, messages, turns) is its base class's, in ``session_methods.py``.
+"""
 
 from __future__ import annotations
 
@@ -20,8 +25,8 @@ from dex_tasks.agent.calls import (
     request_options,
     same_call,
 )
+from dex_tasks.agent.session_methods import SessionMethods
 from dex_tasks.errors import (
-    CallNotFoundError,
     InvalidCallError,
     StoreUnavailableError,
     UnknownToolError,
@@ -36,40 +41,31 @@ if TYPE_CHECKING:
     from celery import Celery
     from sqlalchemy.engine import Connection
 
-    from dex_tasks.agent import approvals, turns
+    from dex_tasks.agent import turns
     from dex_tasks.broker import notify, webhooks
     from dex_tasks.broker.celery_app import create_app, publish, publish_many
     from dex_tasks.broker.redis_clients import connector
     from dex_tasks.settings import DexSettings
-    from dex_tasks.store import Store, catalog, journal, transcript
+    from dex_tasks.store import Store, catalog, journal
     from dex_tasks.store.calls import unsent
     from dex_tasks.store.catalog import ToolSpec
     from dex_tasks.store.checkpoints import Checkpoints
     from dex_tasks.store.models import ToolCallRow
-    from dex_tasks.store.records import (
-        AgentSnapshot,
-        CallEvent,
-        SessionMessage,
-        ToolCallRecord,
-        Turn,
-    )
+    from dex_tasks.store.records import ToolCallRecord
 else:
     _deferred = Deferred(globals())
-    approvals, turns = _deferred("dex_tasks.agent", "approvals", "turns")
+    turns = _deferred("dex_tasks.agent", "turns")
     notify, webhooks = _deferred("dex_tasks.broker", "notify", "webhooks")
     create_app, publish, publish_many = _deferred("dex_tasks.broker.celery_app", "create_app",
                                                   "publish", "publish_many")
     connector = _deferred("dex_tasks.broker.redis_clients", "connector")
     DexSettings = _deferred("dex_tasks.settings", "DexSettings")
-    Store, catalog, journal, transcript = _deferred("dex_tasks.store", "Store", "catalog",
-                                                    "journal", "transcript")
+    Store, catalog, journal = _deferred("dex_tasks.store", "Store", "catalog", "journal")
     unsent = _deferred("dex_tasks.store.calls", "unsent")
     ToolSpec = _deferred("dex_tasks.store.catalog", "ToolSpec")
     Checkpoints = _deferred("dex_tasks.store.checkpoints", "Checkpoints")
     ToolCallRow = _deferred("dex_tasks.store.models", "ToolCallRow")
-    AgentSnapshot, CallEvent, SessionMessage, ToolCallRecord, Turn = _deferred(
-        "dex_tasks.store.records", "AgentSnapshot", "CallEvent", "SessionMessage",
-        "ToolCallRecord", "Turn")
+    ToolCallRecord = _deferred("dex_tasks.store.records", "ToolCallRecord")
 
 # Columns a new call's row leaves at their defaults (see calls.new_call).
 _UNSET_COLUMNS: dict[str, Any] = {
@@ -77,11 +73,6 @@ _UNSET_COLUMNS: dict[str, Any] = {
     "lease_expires_at": None, "prev_status": None, "republishes": 0,
     "original_arguments": None,
 }
-
-# How wait polls the store while notifications cannot reach it (the watcher is not connected):
-# the first pause, doubled up to the last.
-FAST_POLL_FIRST = 0.005
-FAST_POLL_MAX = 0.2
 
 # call_tools: how often a batch is tried again when a concurrent request inserted one of its
 # keys between the read and the insert (the second try sees that call and returns it).
@@ -91,8 +82,11 @@ _INSERT_TRIES = 3
 __all__ = ["DexClient", "InvalidCallError", "ToolCallRequest", "idempotency_key"]
 
 
-class DexClient:
-    """Runs tool calls through Celery and reads their records from the store."""
+class DexClient(SessionMethods):
+    """Runs tool calls through Celery and reads their records from the store.
+
+    The session's reads, waits, approvals, messages and durable turns are inherited from
+    :class:`~dex_tasks.agent.session_methods.SessionMethods`."""
 
     def __init__(self, settings: DexSettings | None = None, *, create_tables: bool = True) -> None:
         self.settings = settings or DexSettings()
@@ -113,7 +107,6 @@ class DexClient:
         self._notifier = notify.install(self.store, self.settings.redis_url,
                                         connector(self.settings))
         webhooks.install(self.store, self.settings, lambda: self.app)
-        self._watcher: notify.CallWatcher | None = None
         self._app: Celery | None = None
         self._catalog_cache: dict[str, tuple[float, catalog.ToolInfo]] = {}
 
@@ -134,17 +127,9 @@ class DexClient:
         """LangGraph checkpoints kept in this client's store (what ``DexCheckpointer`` uses)."""
         return Checkpoints(self.store)
 
-    @property
-    def watcher(self) -> notify.CallWatcher:
-        """The Redis subscription ``wait`` is woken through (started on first use)."""
-        if self._watcher is None:
-            self._watcher = notify.CallWatcher(connector(self.settings))
-        return self._watcher
-
     def close(self) -> None:
         """Release broker, Redis and database connections."""
-        if self._watcher is not None:
-            self._watcher.close()
+        self._stop_watching()
         if self._app is not None:
             self._app.close()
         self._notifier.close()
@@ -414,117 +399,7 @@ class DexClient:
             return self.get_tool_call(existing.key)
         return record
 
-    def get_tool_call(self, key: str) -> ToolCallRecord:
-        """The call's record; :class:`CallNotFoundError` if no call has that key."""
-        row = self.store.get_call(key)
-        if row is None:
-            raise CallNotFoundError(key)
-        return ToolCallRecord.from_row(row)
-
-    def wait(self, key: str, timeout: float = 30.0) -> ToolCallRecord:
-        """Block until the call is terminal and return it; ``TimeoutError`` after ``timeout``.
-
-        Woken by the Redis notification sent when the call ends (see ``notify.py``), so the
-        record is in hand about as soon as it is stored. The store is read on every wake-up,
-        and every ``wait_poll_seconds`` regardless, in case a notification was lost; while
-        Redis cannot be reached it is read every 5 ms, doubling up to 200 ms.
-        """
-        pauses = WaitPauses(key, timeout, self.settings.wait_poll_seconds)
-        record = self.get_tool_call(key)
-        if record.terminal:
-            return record
-        with self.watcher.watch(key) as watch:
-            while True:
-                watch.wait(pauses.next(record, watch.live))
-                record = self.get_tool_call(key)
-                if record.terminal:
-                    return record
-
-    def get_agent_snapshot(self, session_id: str) -> AgentSnapshot:
-        """The session as one consistent read: ``.tool_calls``, ``.messages`` (the transcript:
-        user, assistant and tool messages, oldest first), ``.pending_interrupts`` (approvals
-        waiting, deadline not passed) and ``.decided`` (who decided each past approval, when,
-        and why)."""
-        return approvals.session_snapshot(self.store, session_id)
-
-    # -- approvals and messages -----------------------------------------------------------------
-
-    def resolve_interrupt(
-        self,
-        session_id: str,
-        interrupt_id: str,
-        approved: bool,
-        rejection_message: str | None = None,
-        approver: str | None = None,
-        arguments: Mapping[str, Any] | None = None,
-        permissions: Sequence[str] | None = None,
-    ) -> bool:
-        """Approve or reject a pending call; True if this call decided, False otherwise.
-
-        The first decision wins; a later one, one after the deadline, or one for an unknown
-        interrupt or another session returns False and changes nothing (safe to retry).
-        Approving runs the call; rejecting ends it ``rejected`` with ``rejection_message`` in
-        its error, where the model reads it. ``arguments``: approve with these instead (edit
-        on approval; checked against the tool's schema). ``permissions``: what the approver
-        holds, for a policy that names an ``approver_permission`` (see
-        ``agent.approvals.resolve_interrupt``).
-        """
-        return approvals.resolve_interrupt(
-            self.store, self.app, session_id, interrupt_id, approved,
-            rejection_message=rejection_message, approver=approver,
-            arguments=arguments, permissions=permissions,
-        )
-
-    def why_not_resolved(self, session_id: str, interrupt_id: str) -> str | None:
-        """Why ``resolve_interrupt(session_id, interrupt_id, ...)`` is refused now, or None if
-        the interrupt can still be decided: ``"unknown_interrupt"``, ``"wrong_session"``,
-        ``"already_decided"`` (by a person or the deadline sweep) or ``"deadline_passed"``.
-
-        Ask it when ``resolve_interrupt`` returned False; it reads, and changes nothing.
-        """
-        return approvals.refusal_reason(self.store, session_id, interrupt_id)
-
-    def send_user_message(self, session_id: str, text: str) -> bool:
-        """Send a user message into the session's transcript; True once it is stored.
-
-        The message is ``delivered`` at once if no turn of the session is open; otherwise it is
-        ``queued`` until every call of the open turn(s) has ended (the snapshot shows which).
-        False only for a report of an unknown outcome (a text ending in ``(tool call <key>)``
-        that names an ``outcome_unknown`` call of this session) when a user message of the
-        session already names that key: each call is reported once, whoever sends it.
-        """
-        return transcript.send_user_message(self.store, session_id, text) is not None
-
-    def add_assistant_message(self, session_id: str, turn_id: str, text: str) -> SessionMessage:
-        """Record the model's own text of turn ``turn_id`` in the session's transcript.
-
-        In a durable turn (:meth:`begin_turn`) this is the model's answer without tools: it
-        ends the turn, as :meth:`end_turn` does. The transcript
-        (``get_agent_snapshot(...).messages``) then holds the whole conversation: user
-        messages, the model's text, and each call's tool message. Returns
-        the stored message; :class:`InvalidArgumentError` names a malformed argument.
-        """
-        return turns.add_assistant_message(self.store, session_id, turn_id, text)
-
     # -- durable turns (agent/turns.py) ---------------------------------------------------------
-
-    def begin_turn(self, session_id: str, input_text: str, *,
-                   turn_id: str | None = None) -> Turn:
-        """Begin a durable turn of the session with the user's ``input_text``, or continue the
-        one a previous run left open; returns the :class:`Turn`.
-
-        * The session has an open turn with this input: that turn, ``resumed=True``, with its
-          journaled ``steps`` (the agent process was restarted: replay them).
-        * It has an open turn with another input: the input is queued as a user message (once),
-          delivered when that turn ends (the seeds' rule), and the open turn is returned with
-          ``queued_input=True``; no second turn is started.
-        * ``turn_id`` names a turn that has ended: that turn, with its ``answer``.
-        * Otherwise a new turn (``turn_id``, or a fresh id), the input recorded as the user
-          message that began it.
-
-        :class:`TurnConflictError` if ``turn_id`` names a turn begun with another input.
-        """
-        return turns.begin_turn(self.store, session_id, input_text, turn_id)
 
     def record_step(
         self,
@@ -558,53 +433,6 @@ class DexClient:
         journaled = turns.step_journal(session_id, turn_id, step, response, text)
         return self._record_calls(requests, session_id, turn_id, default_effect,
                                   approval_deadline, expires_in, step=journaled)
-
-    def end_turn(self, session_id: str, turn_id: str, text: str, *,
-                 response: str | None = None) -> SessionMessage:
-        """The model answered without requesting tools: record its answer ``text`` (and its
-        serialised ``response``) as an assistant message and end the turn; only then are the
-        user messages that waited for it delivered, after the answer in the transcript.
-
-        Idempotent for the same text (a turn that ended with it returns that message); another
-        answer for a turn that has ended raises :class:`TurnConflictError`.
-        """
-        return turns.end_turn(self.store, session_id, turn_id, text, response)
-
-    def open_turn(self, session_id: str) -> Turn | None:
-        """The session's open turn with its journaled steps and their calls' records, in one
-        read; None when no turn of the session is open."""
-        return turns.open_turn(self.store, session_id)
-
-    def events(self, session_id: str, after: int = 0) -> list[CallEvent]:
-        """The session's events after cursor ``after`` (an event's ``id``)."""
-        return [CallEvent.from_row(r) for r in self.store.events(session_id, after)]
-
-
-
-
-class WaitPauses:
-    """How long a waiter for call ``key`` sleeps between reads of the store (unless woken),
-    until ``timeout``: ``poll_seconds`` while notifications can arrive, else 5 ms doubling up
-    to 200 ms. Shared by both clients' ``wait``, which differ only in how they sleep."""
-
-    def __init__(self, key: str, timeout: float, poll_seconds: float) -> None:
-        self.key = key
-        self.timeout = timeout
-        self.poll_seconds = poll_seconds
-        self.deadline = time.monotonic() + timeout
-        self.fast = FAST_POLL_FIRST
-
-    def next(self, record: ToolCallRecord, live: bool) -> float:
-        """The next pause; ``TimeoutError`` (naming the call's status) once time is up."""
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(
-                f"call {self.key!r} is still {record.status.value} after {self.timeout}s")
-        if live:
-            pause, self.fast = self.poll_seconds, FAST_POLL_FIRST
-        else:
-            pause, self.fast = self.fast, min(self.fast * 2, FAST_POLL_MAX)
-        return min(pause, remaining)
 
 
 def _inserted(call: NewCall) -> ToolCallRow:

@@ -58,6 +58,11 @@ def create_app(settings: DexSettings, *, publisher: bool = False) -> Celery:
         "socket_keepalive": True,
         "socket_keepalive_options": keepalive_options(),
         "health_check_interval": 10,
+        # No message priorities: kombu's default listens on four priority lists per queue,
+        # so a worker's BRPOP named four keys per tool (2,000 for an MCP server's 500 tools),
+        # built and sent again after every message. With one step a queue is one list (the
+        # one a message without a priority always went to).
+        "priority_steps": [0],
         **broker.pop("broker_transport_options"),
     }
     app.conf.update(

@@ -46,7 +46,6 @@ TOOL_QUEUE_PREFIX = "dex.tool."
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,100}")
 
 WORKER_KEY = "dex:worker:"
-TOOL_ALIVE_KEY = "dex:tool-alive:"
 HELD_KEY = "dex:held:"
 # A worker whose keys were not refreshed for this many beats counts as gone.
 MISSED_BEATS = 5
@@ -96,8 +95,7 @@ def presence_ttl(heartbeat_seconds: float) -> int:
 
 def live_tools(client: redis.Redis) -> set[str]:
     """The tools at least one live worker serves (from their unexpired announcements)."""
-    return {_text(key)[len(TOOL_ALIVE_KEY):]
-            for key in client.scan_iter(match=TOOL_ALIVE_KEY + "*", count=1000)}
+    return {name for record in live_workers(client) for name in record.get("tools", ())}
 
 
 def live_workers(client: redis.Redis) -> list[dict[str, Any]]:
@@ -106,6 +104,19 @@ def live_workers(client: redis.Redis) -> list[dict[str, Any]]:
     keys = sorted(client.scan_iter(match=WORKER_KEY + "*", count=1000))
     records = client.mget(keys) if keys else []
     return [json.loads(_text(r)) for r in records if r is not None]
+
+
+def announcement(client: redis.Redis, node: str) -> dict[str, Any] | None:
+    """The live announcement of the worker named ``node`` (its host, pid, pool, tools), if
+    there is one."""
+    raw = client.get(WORKER_KEY + node)
+    if raw is None:
+        return None
+    try:
+        record = json.loads(_text(raw))
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def announcements_complete(client: redis.Redis, heartbeat_seconds: float) -> bool:
@@ -131,6 +142,12 @@ def _text(value: bytes | str) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else value
 
 
+def worker_record(node: str, tools: Iterable[str], *, pool: str, concurrency: int) -> str:
+    """A worker's announcement (``WORKER_KEY + node``): who it is and the tools it serves."""
+    return json.dumps({"node": node, "host": socket.gethostname(), "pid": os.getpid(),
+                       "pool": pool, "concurrency": concurrency, "tools": sorted(tools)})
+
+
 def _held_by_this_worker() -> list[str]:
     tags = []
     # Reserved, running and countdown-waiting requests alike: each holds an unacked message.
@@ -146,21 +163,22 @@ class Presence(threading.Thread):
     """Announces a worker in Redis: its tools and the messages it holds, every beat.
 
     Runs in the worker's main process (which sees every request, whatever the pool), beside
-    the lease renewer. One pipeline per beat: the worker's record, a key per served tool, and
-    the set of held delivery tags, all with the same expiry.
+    the lease renewer. One pipeline per beat: the worker's record (its served tools in it) and
+    the set of held delivery tags, both with the same expiry.
     """
 
-    def __init__(self, redis_url: str, node: str, tools: Iterable[str], pool: str,
+    def __init__(self, client: redis.Redis, node: str, tools: Iterable[str], pool: str,
                  concurrency: int, heartbeat_seconds: float) -> None:
         super().__init__(name="dex-presence", daemon=True)
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=5,
-                                           socket_connect_timeout=5)
+        # A client of redis_clients.redis_client: the master through the Sentinels, TLS. (A
+        # client made from the URL failed on sentinel:// URLs, so such workers never
+        # announced themselves and their tools looked unserved.)
+        self.client = client
         self.node = node
         self.tools = sorted(tools)
         self.interval = heartbeat_seconds
         self.ttl = presence_ttl(heartbeat_seconds)
-        self.record = json.dumps({"node": node, "host": socket.gethostname(), "pid": os.getpid(),
-                                  "pool": pool, "concurrency": concurrency, "tools": self.tools})
+        self.record = worker_record(node, self.tools, pool=pool, concurrency=concurrency)
         self.stopped = threading.Event()
 
     def run(self) -> None:
@@ -177,9 +195,9 @@ class Presence(threading.Thread):
         """Refresh this worker's keys once."""
         held = _held_by_this_worker()
         pipe = self.client.pipeline(transaction=True)
+        # One key for the worker and its tools, whatever their number: a key per tool cost a
+        # catalog of 500 tools 250 commands a second per idle worker.
         pipe.set(WORKER_KEY + self.node, self.record, ex=self.ttl)
-        for name in self.tools:
-            pipe.set(TOOL_ALIVE_KEY + name, self.node, ex=self.ttl)
         key = HELD_KEY + self.node
         pipe.delete(key)
         if held:

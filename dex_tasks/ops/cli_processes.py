@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
@@ -34,8 +33,10 @@ commands = typer.Typer()
 POOLS = ("prefork", "threads")
 
 
-@commands.command()
+@commands.command(context_settings={"allow_extra_args": True,
+                                     "ignore_unknown_options": True})
 def worker(
+    ctx: typer.Context,
     tools: str | None = typer.Option(
         None, "--tools", help="Tool modules to import, comma-separated (default: DEX_TOOLS).",
         show_default=False),
@@ -61,10 +62,52 @@ def worker(
         help="Send Celery task events (for `celery events` and Flower's task lists); off by "
              "default, as in Celery, since each costs a Redis publish.",
     ),
+    hostname: str | None = typer.Option(
+        None, "-n", "--hostname",
+        help="Node name, as Celery's (e.g. 'w1@%h'; default 'dex-<pid>@%h'). A name a live "
+             "worker holds is refused."),
+    max_tasks_per_child: int | None = typer.Option(
+        None, "--max-tasks-per-child", min=1,
+        help="Replace a prefork child after it ran this many calls."),
+    max_memory_per_child: int | None = typer.Option(
+        None, "--max-memory-per-child", min=1,
+        help="Replace a prefork child once its resident memory passes this many KiB (after "
+             "its call ends)."),
+    autoscale: str | None = typer.Option(
+        None, "--autoscale", metavar="MAX,MIN",
+        help="Grow the prefork pool up to MAX children under load and shrink it to MIN "
+             "(replaces -c; only idle children are stopped)."),
+    prefetch_multiplier: int | None = typer.Option(
+        None, "--prefetch-multiplier",
+        help="Reserve this many messages per slot (default: take one only when a slot is "
+             "free). Reserved messages of a lost worker are restored by beat; they wait "
+             "behind busy slots meanwhile."),
+    optimization: str | None = typer.Option(
+        None, "-O", "--optimization", help="Celery's optimization profile: default or fair."),
+    without_gossip: bool = typer.Option(
+        False, "--without-gossip", help="Always on: dex-tasks workers never gossip."),
+    without_mingle: bool = typer.Option(
+        False, "--without-mingle", help="Always on: dex-tasks workers never mingle."),
+    without_heartbeat: bool = typer.Option(
+        False, "--without-heartbeat",
+        help="No Celery worker heartbeats (Flower and `celery events` then see no worker)."),
 ) -> None:
-    """Run a Celery worker for the tools in MODULE[,MODULE], consuming their queues."""
-    from dex_tasks.broker.routing import ServeSelectionError, select_tools
+    """Run a Celery worker for the tools in MODULE[,MODULE], consuming their queues.
 
+    Other Celery worker options are passed to Celery's worker (`celery worker --help`);
+    those that would change what dex-tasks guarantees are refused with the reason.
+    """
+    from dex_tasks.broker.routing import ServeSelectionError, select_tools
+    from dex_tasks.ops.worker_options import WorkerOptions
+
+    del without_gossip, without_mingle  # always off (worker_options.py says why)
+    # A refused option is a WorkerOptionError: one line naming it and why (cli.main).
+    options = WorkerOptions(
+        pool=pool, concurrency=concurrency, hostname=hostname,
+        max_tasks_per_child=max_tasks_per_child, max_memory_per_child=max_memory_per_child,
+        autoscale=autoscale, prefetch_multiplier=prefetch_multiplier,
+        optimization=optimization, without_heartbeat=without_heartbeat,
+        passthrough=tuple(ctx.args))
     settings = DexSettings()
     setup_process_logging(log_format, loglevel, secret_or_none(settings),
                           celery=True)
@@ -88,21 +131,37 @@ def worker(
                                                                      "tools": count})
     from dex_tasks.worker.main_process import worker_app
 
-    celery = worker_app(settings, served, pool=pool, concurrency=concurrency)
+    if hostname is not None:
+        refuse_taken_node_name(settings, options.node_name())
+    celery = worker_app(settings, served, pool=pool, concurrency=options.slots)
     # Set on the app (not only Celery's -E) so the task bodies' own events (task-ignored, see
     # task_states.ignored) follow the same switch.
     celery.conf.worker_send_task_events = events
-    celery.worker_main([
-        # JSON logs: no banner, so every line a collector reads is one JSON object.
-        *(["--quiet"] if log_format == "json" else []),
-        "worker",
-        "-c", str(concurrency),
-        "-P", pool,
-        # A unique node name per process: leases are owned by "<node>:<pid>[:<thread>]".
-        "-n", f"dex-{os.getpid()}@%h",
-        "--loglevel", loglevel,
-        "--without-gossip", "--without-mingle",
-    ])
+    # Prefetch only when asked for (see worker_options.py for what it costs).
+    celery.conf.worker_disable_prefetch = not options.prefetches
+    # JSON logs: no banner, so every line a collector reads is one JSON object. Leases are
+    # owned by "<node>:<pid>[:<thread>]", unique per process whatever the node name.
+    celery.worker_main(options.celery_args(loglevel, quiet=log_format == "json"))
+
+
+def refuse_taken_node_name(settings: DexSettings, node: str) -> None:
+    """Exit with one line if a live worker already announces ``node`` (see worker_options)."""
+    import redis
+
+    from dex_tasks.broker.redis_clients import redis_client
+    from dex_tasks.broker.routing import announcement
+    from dex_tasks.ops.worker_options import WorkerOptionError, hostname_taken
+
+    client = redis_client(settings, socket_timeout=5)
+    try:
+        record = announcement(client, node)
+    except redis.RedisError:
+        return  # Redis is not answering yet: the worker's own start-up waits for it
+    finally:
+        client.close()
+    why = hostname_taken(record)
+    if why is not None:
+        raise WorkerOptionError(why)
 
 
 def check_pool(value: str) -> str:

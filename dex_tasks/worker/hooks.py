@@ -23,16 +23,12 @@ from celery import Celery, signals
 from celery.worker import state as worker_state
 
 from dex_tasks.broker.celery_app import RUN_RETRYING, RUN_SINGLE_ATTEMPT
+from dex_tasks.broker.redis_clients import redis_client
 from dex_tasks.broker.routing import Presence
 from dex_tasks.states import CallStatus
 from dex_tasks.store import bounded_statements
-from dex_tasks.worker.execution import (
-    current_owner,
-    did_not_run,
-    handle_lost_attempt,
-    reset_runtime,
-    runtime,
-)
+from dex_tasks.worker.endings import did_not_run, handle_lost_attempt
+from dex_tasks.worker.runtime import current_owner, reset_runtime, runtime
 from dex_tasks.worker.threadpool import Watchdog, Watched
 
 log = logging.getLogger("dex_tasks.worker.hooks")
@@ -107,8 +103,9 @@ def install(app: Celery, tools: Iterable[str] = (), *, pool: str = "prefork",
         _renewer = LeaseRenewer(app)
         _renewer.start()
         settings = runtime(app).settings
-        _presence = Presence(settings.redis_url, str(getattr(sender, "hostname", "?")), served,
-                             pool, concurrency, settings.worker_heartbeat_seconds)
+        _presence = Presence(redis_client(settings, socket_timeout=5, socket_connect_timeout=5),
+                             str(getattr(sender, "hostname", "?")), served, pool, concurrency,
+                             settings.worker_heartbeat_seconds)
         try:
             # Announced before the worker says it is ready: from then on its tools count as
             # served (the republisher and the queue deadline look at that).

@@ -33,14 +33,10 @@ from dex_tasks.errors import CallFailure
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import CallStatus
 from dex_tasks.worker import hooks, webhooks
-from dex_tasks.worker.execution import (
-    handle_lost_attempt,
-    owner_id,
-    run_retrying,
-    run_single_attempt,
-    runtime,
-)
+from dex_tasks.worker.endings import handle_lost_attempt
+from dex_tasks.worker.execution import run_retrying, run_single_attempt
 from dex_tasks.worker.retry import celery_retry_options
+from dex_tasks.worker.runtime import owner_id, runtime
 from dex_tasks.worker.sweeps import run_job
 from dex_tasks.worker.task_states import failure
 

@@ -35,13 +35,9 @@ from dex_tasks.store import webhooks as webhook_outbox
 from dex_tasks.store.calls import unsent
 from dex_tasks.store.models import ToolCallRow
 from dex_tasks.worker import claims
-from dex_tasks.worker.execution import (
-    Runtime,
-    after_lost_attempt,
-    did_not_run_move,
-    lost_attempt_move,
-)
+from dex_tasks.worker.endings import after_lost_attempt, did_not_run_move, lost_attempt_move
 from dex_tasks.worker.reconcilers import reconcile_with_reconcilers
+from dex_tasks.worker.runtime import Runtime
 
 log = logging.getLogger("dex_tasks.worker.sweeps")
 

@@ -1,0 +1,234 @@
+"""What a :class:`~dex_tasks.agent.client.DexClient` does with a session besides recording
+calls: read a call, wait for it to end, the session's snapshot, approvals, messages and
+durable turns.
+
+:class:`SessionMethods` is a base class of ``DexClient``, which supplies the store, the
+settings and the Celery app; the methods here only delegate to the modules that own each job
+(``approvals``, ``transcript``, ``turns``), so that ``client.py`` keeps the call path (recording,
+publishing, the catalog) and each module one role.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from dex_tasks.errors import CallNotFoundError
+from dex_tasks.lazy import Deferred
+
+# Celery, SQLAlchemy and Redis are imported when first used, not with this module (see
+# dex_tasks.lazy): ``from dex_tasks import DexClient`` stays cheap.
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from celery import Celery
+
+    from dex_tasks.agent import approvals, session_views, turns
+    from dex_tasks.broker import notify
+    from dex_tasks.broker.redis_clients import connector
+    from dex_tasks.settings import DexSettings
+    from dex_tasks.store import Store, transcript
+    from dex_tasks.store.records import (
+        AgentSnapshot,
+        CallEvent,
+        SessionMessage,
+        ToolCallRecord,
+        Turn,
+    )
+else:
+    _deferred = Deferred(globals())
+    approvals, session_views, turns = _deferred("dex_tasks.agent", "approvals", "session_views",
+                                                  "turns")
+    notify = _deferred("dex_tasks.broker", "notify")
+    connector = _deferred("dex_tasks.broker.redis_clients", "connector")
+    transcript = _deferred("dex_tasks.store", "transcript")
+    CallEvent, ToolCallRecord = _deferred("dex_tasks.store.records", "CallEvent",
+                                          "ToolCallRecord")
+
+# How wait polls the store while notifications cannot reach it (the watcher is not connected):
+# the first pause, doubled up to the last.
+FAST_POLL_FIRST = 0.005
+FAST_POLL_MAX = 0.2
+
+
+class SessionMethods:
+    """Reads, waits, approvals, messages and durable turns of :class:`DexClient` (its base
+    class: see the module's docstring)."""
+
+    store: Store
+    settings: DexSettings
+    _watcher: notify.CallWatcher | None = None
+
+    @property
+    def app(self) -> Celery:
+        """The Celery app used to publish (``DexClient`` creates it on first use)."""
+        raise NotImplementedError
+
+    @property
+    def watcher(self) -> notify.CallWatcher:
+        """The Redis subscription ``wait`` is woken through (started on first use)."""
+        if self._watcher is None:
+            self._watcher = notify.CallWatcher(connector(self.settings))
+        return self._watcher
+
+    def _stop_watching(self) -> None:
+        """Close the watcher, if ``wait`` started one (part of ``DexClient.close``)."""
+        if self._watcher is not None:
+            self._watcher.close()
+
+    def get_tool_call(self, key: str) -> ToolCallRecord:
+        """The call's record; :class:`CallNotFoundError` if no call has that key."""
+        row = self.store.get_call(key)
+        if row is None:
+            raise CallNotFoundError(key)
+        return ToolCallRecord.from_row(row)
+
+    def wait(self, key: str, timeout: float = 30.0) -> ToolCallRecord:
+        """Block until the call is terminal and return it; ``TimeoutError`` after ``timeout``.
+
+        Woken by the Redis notification sent when the call ends (see ``notify.py``), so the
+        record is in hand about as soon as it is stored. The store is read on every wake-up,
+        and every ``wait_poll_seconds`` regardless, in case a notification was lost; while
+        Redis cannot be reached it is read every 5 ms, doubling up to 200 ms.
+        """
+        pauses = WaitPauses(key, timeout, self.settings.wait_poll_seconds)
+        record = self.get_tool_call(key)
+        if record.terminal:
+            return record
+        with self.watcher.watch(key) as watch:
+            while True:
+                watch.wait(pauses.next(record, watch.live))
+                record = self.get_tool_call(key)
+                if record.terminal:
+                    return record
+
+    def get_agent_snapshot(self, session_id: str) -> AgentSnapshot:
+        """The session as one consistent read: ``.tool_calls``, ``.messages`` (the transcript:
+        user, assistant and tool messages, oldest first), ``.pending_interrupts`` (approvals
+        waiting, deadline not passed) and ``.decided`` (who decided each past approval, when,
+        and why)."""
+        return session_views.session_snapshot(self.store, session_id)
+
+    # -- approvals and messages -----------------------------------------------------------------
+
+    def resolve_interrupt(
+        self,
+        session_id: str,
+        interrupt_id: str,
+        approved: bool,
+        rejection_message: str | None = None,
+        approver: str | None = None,
+        arguments: Mapping[str, Any] | None = None,
+        permissions: Sequence[str] | None = None,
+    ) -> bool:
+        """Approve or reject a pending call; True if this call decided, False otherwise.
+
+        The first decision wins; a later one, one after the deadline, or one for an unknown
+        interrupt or another session returns False and changes nothing (safe to retry).
+        Approving runs the call; rejecting ends it ``rejected`` with ``rejection_message`` in
+        its error, where the model reads it. ``arguments``: approve with these instead (edit
+        on approval; checked against the tool's schema). ``permissions``: what the approver
+        holds, for a policy that names an ``approver_permission`` (see
+        ``agent.approvals.resolve_interrupt``).
+        """
+        return approvals.resolve_interrupt(
+            self.store, self.app, session_id, interrupt_id, approved,
+            rejection_message=rejection_message, approver=approver,
+            arguments=arguments, permissions=permissions,
+        )
+
+    def why_not_resolved(self, session_id: str, interrupt_id: str) -> str | None:
+        """Why ``resolve_interrupt(session_id, interrupt_id, ...)`` is refused now, or None if
+        the interrupt can still be decided: ``"unknown_interrupt"``, ``"wrong_session"``,
+        ``"already_decided"`` (by a person or the deadline sweep) or ``"deadline_passed"``.
+
+        Ask it when ``resolve_interrupt`` returned False; it reads, and changes nothing.
+        """
+        return session_views.refusal_reason(self.store, session_id, interrupt_id)
+
+    def send_user_message(self, session_id: str, text: str) -> bool:
+        """Send a user message into the session's transcript; True once it is stored.
+
+        The message is ``delivered`` at once if no turn of the session is open; otherwise it is
+        ``queued`` until every call of the open turn(s) has ended (the snapshot shows which).
+        False only for a report of an unknown outcome (a text ending in ``(tool call <key>)``
+        that names an ``outcome_unknown`` call of this session) when a user message of the
+        session already names that key: each call is reported once, whoever sends it.
+        """
+        return transcript.send_user_message(self.store, session_id, text) is not None
+
+    def add_assistant_message(self, session_id: str, turn_id: str, text: str) -> SessionMessage:
+        """Record the model's own text of turn ``turn_id`` in the session's transcript.
+
+        In a durable turn (:meth:`begin_turn`) this is the model's answer without tools: it
+        ends the turn, as :meth:`end_turn` does. The transcript
+        (``get_agent_snapshot(...).messages``) then holds the whole conversation: user
+        messages, the model's text, and each call's tool message. Returns
+        the stored message; :class:`InvalidArgumentError` names a malformed argument.
+        """
+        return turns.add_assistant_message(self.store, session_id, turn_id, text)
+
+    # -- durable turns (agent/turns.py) ---------------------------------------------------------
+
+    def begin_turn(self, session_id: str, input_text: str, *,
+                   turn_id: str | None = None) -> Turn:
+        """Begin a durable turn of the session with the user's ``input_text``, or continue the
+        one a previous run left open; returns the :class:`Turn`.
+
+        * The session has an open turn with this input: that turn, ``resumed=True``, with its
+          journaled ``steps`` (the agent process was restarted: replay them).
+        * It has an open turn with another input: the input is queued as a user message (once),
+          delivered when that turn ends (the seeds' rule), and the open turn is returned with
+          ``queued_input=True``; no second turn is started.
+        * ``turn_id`` names a turn that has ended: that turn, with its ``answer``.
+        * Otherwise a new turn (``turn_id``, or a fresh id), the input recorded as the user
+          message that began it.
+
+        :class:`TurnConflictError` if ``turn_id`` names a turn begun with another input.
+        """
+        return turns.begin_turn(self.store, session_id, input_text, turn_id)
+
+    def end_turn(self, session_id: str, turn_id: str, text: str, *,
+                 response: str | None = None) -> SessionMessage:
+        """The model answered without requesting tools: record its answer ``text`` (and its
+        serialised ``response``) as an assistant message and end the turn; only then are the
+        user messages that waited for it delivered, after the answer in the transcript.
+
+        Idempotent for the same text (a turn that ended with it returns that message); another
+        answer for a turn that has ended raises :class:`TurnConflictError`.
+        """
+        return turns.end_turn(self.store, session_id, turn_id, text, response)
+
+    def open_turn(self, session_id: str) -> Turn | None:
+        """The session's open turn with its journaled steps and their calls' records, in one
+        read; None when no turn of the session is open."""
+        return turns.open_turn(self.store, session_id)
+
+    def events(self, session_id: str, after: int = 0) -> list[CallEvent]:
+        """The session's events after cursor ``after`` (an event's ``id``)."""
+        return [CallEvent.from_row(r) for r in self.store.events(session_id, after)]
+
+
+class WaitPauses:
+    """How long a waiter for call ``key`` sleeps between reads of the store (unless woken),
+    until ``timeout``: ``poll_seconds`` while notifications can arrive, else 5 ms doubling up
+    to 200 ms. Shared by both clients' ``wait``, which differ only in how they sleep."""
+
+    def __init__(self, key: str, timeout: float, poll_seconds: float) -> None:
+        self.key = key
+        self.timeout = timeout
+        self.poll_seconds = poll_seconds
+        self.deadline = time.monotonic() + timeout
+        self.fast = FAST_POLL_FIRST
+
+    def next(self, record: ToolCallRecord, live: bool) -> float:
+        """The next pause; ``TimeoutError`` (naming the call's status) once time is up."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(
+                f"call {self.key!r} is still {record.status.value} after {self.timeout}s")
+        if live:
+            pause, self.fast = self.poll_seconds, FAST_POLL_FIRST
+        else:
+            pause, self.fast = self.fast, min(self.fast * 2, FAST_POLL_MAX)
+        return min(pause, remaining)

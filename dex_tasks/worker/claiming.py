@@ -1,0 +1,94 @@
+"""Claiming a call before its tool runs: the store's compare-and-set claim (queued -> running)
+with the checks that need this worker (the tool is here, the arguments are valid), and the
+Redis claim in front of it on the single-attempt path."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, cast
+
+from dex_tasks.registry import InvalidArguments, get_local_tool
+from dex_tasks.states import CallStatus
+from dex_tasks.store.models import ToolCallRow
+from dex_tasks.worker.endings import end_unstarted, exhausted_before_claim
+from dex_tasks.worker.runtime import Runtime
+from dex_tasks.worker.task_states import Outcome
+
+log = logging.getLogger("dex_tasks.worker.execution")
+
+
+
+
+class _CannotRun(Exception):
+    """The claimed call cannot run here: its claim is rolled back and the call is ended."""
+
+    def __init__(self, why: str, call: ToolCallRow) -> None:
+        super().__init__(why)
+        self.why = why
+        self.call = call
+
+
+Claimed = tuple[ToolCallRow, Any, dict[str, Any]]
+
+
+def claim(rt: Runtime, key: str, owner: str) -> Claimed | Outcome | None:
+    """The store's compare-and-set claim, queued -> running, and the checks before a tool runs.
+
+    One statement on the common path, and no read before it: the claim's UPDATE returns the
+    whole call. A call that expired in the queue or has no attempt left is not claimed at all
+    (the claim's own guards, ``store.transitions.CLAIMABLE``): the claim returns nothing, and
+    the call, read then, is ended "did not run" (or as if its attempts ran out) in a move of
+    its own, guarded on its still being queued. The checks that need this worker (the tool is
+    here, the arguments are valid for it) run on the row the claim returned; a call they
+    refuse has its claim undone (rolled back, or on PostgreSQL moved back to ``queued`` with
+    its attempt uncounted) and is ended likewise: the :class:`Outcome` of that is returned.
+    Otherwise the call as claimed (``attempts`` is this attempt's number), the tool and the
+    validated arguments; None for a call that was not queued (a duplicate delivery, a call
+    that ended).
+    """
+    now = time.time()
+
+    def vet(row: Any) -> tuple[Any, dict[str, Any]]:
+        tool = get_local_tool(row.tool)
+        if tool is None:
+            raise _CannotRun(f"no worker that took it has the tool {row.tool!r}",
+                             _before_claim(row))
+        try:
+            return tool, tool.validate(json.loads(row.arguments))
+        except InvalidArguments as err:
+            raise _CannotRun(str(err), _before_claim(row)) from None
+
+    try:
+        claimed = rt.store.claim(key, owner, rt.settings.lease_seconds, vet, now=now)
+    except _CannotRun as refused:
+        return end_unstarted(rt, refused.call, refused.why)
+    if claimed is None:
+        return _not_claimed(rt, key, now)
+    row, (tool, arguments) = claimed
+    return cast(ToolCallRow, row), tool, arguments
+
+
+def _not_claimed(rt: Runtime, key: str, now: float) -> Outcome | None:
+    """A delivery whose claim matched nothing: the call is not queued (another delivery owns
+    it, or it ended), or the claim's guards refused it. ``now`` is the claim's: a call read
+    after it must be judged as the claim judged it."""
+    call = rt.store.get_call(key)
+    if call is not None and call.status == CallStatus.QUEUED.value:
+        if call.expires_at is not None and now > call.expires_at:
+            return end_unstarted(rt, call, "it expired in the queue before a worker started it")
+        if call.attempts >= call.max_attempts:
+            return exhausted_before_claim(
+                rt, call, f"the worker was lost during each of the {call.attempts} attempts")
+    # Another delivery owns it, or it is finished: a duplicate changes nothing.
+    log.info("duplicate delivery ignored", extra={"action": "duplicate_delivery", "key": key})
+    return None
+
+
+def _before_claim(row: Any) -> ToolCallRow:
+    """The call as it was before the claim that returned ``row`` (which is rolled back)."""
+    return ToolCallRow.model_validate({
+        **row._mapping, "status": CallStatus.QUEUED.value, "attempts": row.attempts - 1,
+        "worker": None, "lease_expires_at": None, "prev_status": None})
+

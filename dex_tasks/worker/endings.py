@@ -1,0 +1,269 @@
+"""How calls end from a worker: an attempt's outcome recorded, calls that cannot start ended
+"did not run", and the decisions on lost attempts (``handle_lost_attempt`` for the main
+process and the threads pool's watchdog, ``lost_attempt_move`` for the reaper).
+
+Every ending is a guarded transition in the store: whoever ends a call second changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from sqlalchemy.exc import DataError
+
+from dex_tasks.broker.celery_app import publish
+from dex_tasks.limits import RESULT_DEPTH_MAX, storable_text
+from dex_tasks.policy import EffectClass
+from dex_tasks.registry import strings_problem
+from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
+from dex_tasks.store import Move, Store
+from dex_tasks.store.models import ToolCallRow
+from dex_tasks.worker import retry
+from dex_tasks.worker.runtime import Runtime
+from dex_tasks.worker.task_states import Outcome
+
+log = logging.getLogger("dex_tasks.worker.execution")
+
+
+# -- ending calls -------------------------------------------------------------------------------
+
+
+def dump_result(value: Any) -> str:
+    # Too deep first (checked without recursing): the checks below, the encoder and every
+    # reader recurse, and a RecursionError here once left the call running with no ending.
+    if _depth_over(value, RESULT_DEPTH_MAX):
+        raise ValueError(f"its result is nested deeper than {RESULT_DEPTH_MAX} levels, which "
+                         "the store does not hold")
+    # A NUL or a lone surrogate in a string: PostgreSQL's jsonb cannot hold it (see sqljson).
+    problem = strings_problem(value, "its result")
+    if problem:
+        raise ValueError(problem)
+    # allow_nan=False: NaN would be stored as JSON no other reader accepts (the API says null).
+    return json.dumps(value, default=_unserialisable, allow_nan=False)
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """True if lists, tuples and dicts nest deeper than ``limit`` in ``value`` (no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list | tuple):
+            if depth >= limit:
+                return True
+            stack.extend((child, depth + 1) for child in item)
+    return False
+
+
+def _unserialisable(value: Any) -> Any:
+    raise TypeError(f"tool returned a value of type {type(value).__name__}, not JSON")
+
+
+def did_not_run(store: Store, call: ToolCallRow, why: str) -> bool:
+    """End a queued call whose next attempt cannot start (expired, invalid, no tool here).
+
+    Only a call that no attempt ever reached gets the "did not run" error. A retrying call
+    queued again after a transient error or a lost worker did reach the tool, so it ends as
+    if its attempts ran out: a read ``failed``, a write ``outcome_unknown``. The ``attempts``
+    guard keeps a claim that lands between our read and this write from being mislabelled.
+    """
+    move = did_not_run_move(call, why)
+    return store.transition(move.key, move.to, allowed={CallStatus.QUEUED}, match=move.match,
+                            values=move.values, detail=move.detail)
+
+
+def did_not_run_move(call: ToolCallRow, why: str) -> Move:
+    """How :func:`did_not_run` ends ``call`` (for the sweeps' set-based transitions)."""
+    if call.attempts == 0:
+        error = f"{TOOL_DID_NOT_RUN}: {why}"
+        to, reason = CallStatus.FAILED, "did_not_run"
+    else:
+        decision = retry.after_worker_lost(
+            EffectClass(call.effect), call.attempts, call.attempts,
+            f"{why}, after {call.attempts} attempt(s) had reached the tool", key=call.key,
+        )
+        assert decision.status is not None
+        to, error, reason = decision.status, decision.error or why, "next_attempt_not_started"
+    return Move(call.key, to, match={"attempts": call.attempts}, values={"error": error},
+                detail={"reason": reason, "why": why})
+
+
+def end_unstarted(rt: Runtime, call: ToolCallRow, why: str) -> Outcome:
+    """:func:`did_not_run` from a delivery, as the outcome Celery is told of."""
+    move = did_not_run_move(call, why)
+    if rt.store.transition(move.key, move.to, allowed={CallStatus.QUEUED}, match=move.match,
+                           values=move.values, detail=move.detail):
+        return Outcome(move.to, move.values["error"])
+    return Outcome(None, why=RACED)
+
+
+def handle_lost_attempt(
+    rt: Runtime, key: str, owner: str | None, reason: str, *, republish: bool
+) -> CallStatus | None:
+    """A running attempt is gone (child killed, hard time limit, a thread abandoned at its
+    limit).
+
+    Only acts while the call is still ``running`` under that owner: the child may have
+    finished the work and recorded it just before dying, and a later attempt may own the call
+    by now. ``republish`` sends a new message for a retry (for a lost child or a hard time
+    limit on the retrying path, Celery requeues the message itself). Returns the status it
+    moved the call to. (The reaper does the same for many calls at once, set-based, with
+    :func:`lost_attempt_move`.)
+    """
+    call = rt.store.get_call(key)
+    if call is None or call.status != CallStatus.RUNNING.value:
+        return None
+    if owner is not None and call.worker != owner:
+        return None
+    move = lost_attempt_move(call, reason, time.time())
+    if not rt.store.transition(key, move.to, allowed={CallStatus.RUNNING}, match=move.match,
+                               values=move.values, detail=move.detail):
+        return None
+    after_lost_attempt(rt, call, move, republish=republish)
+    return move.to
+
+
+def lost_attempt_move(call: ToolCallRow, reason: str, now: float) -> Move:
+    """Where a call goes when its running attempt is lost: back to ``queued`` while attempts
+    are left on the retrying path, else the ending its effect class gives (``retry.py``).
+    Guarded on the attempt's owner and number, so a later attempt is never touched."""
+    decision = retry.after_worker_lost(EffectClass(call.effect), call.attempts,
+                                       call.max_attempts, reason, key=call.key)
+    guard = {"worker": call.worker, "attempts": call.attempts}
+    detail = {"reason": "attempt_lost", "attempt": call.attempts, "why": reason}
+    if decision.retry:
+        return Move(call.key, CallStatus.QUEUED, match=guard, detail=detail,
+                    values={"worker": None, "lease_expires_at": None, "published_at": now})
+    assert decision.status is not None
+    return Move(call.key, decision.status, match=guard, values={"error": decision.error},
+                detail=detail)
+
+
+def after_lost_attempt(rt: Runtime, call: ToolCallRow, move: Move, *, republish: bool) -> None:
+    """Log a lost attempt's move, and send the retry's message when one is needed."""
+    if move.to is not CallStatus.QUEUED:
+        log.info("attempt lost, call ended", extra={"action": "attempt_lost", "key": call.key,
+                                                     "status": move.to.value})
+        return
+    if republish:
+        try:
+            publish(rt.app, call)
+        except Exception:  # noqa: BLE001 - the republisher sweep picks it up
+            message_lost(rt, call.key, "republish_failed")
+    log.info("attempt lost, retrying", extra={"action": "attempt_lost", "key": call.key})
+
+
+def message_lost(rt: Runtime, key: str, action: str) -> None:
+    """A queued call's message is known lost (its publish failed, or the delivery could not
+    claim it): mark it never published, which the republisher sends again on its next turn
+    once Redis answers, instead of a whole ``republish_after_seconds`` later."""
+    log.warning("call's message lost; the republisher sends it again", extra={
+        "action": action, "key": key})
+    try:
+        rt.store.mark_unpublished(key)
+    except Exception:  # then the republisher's window applies
+        log.warning("could not mark the call unpublished", exc_info=True,
+                    extra={"action": "mark_unpublished_failed", "key": key})
+
+
+def exhausted_before_claim(rt: Runtime, call: ToolCallRow, why: str) -> Outcome:
+    """A queued retrying call delivered again after every attempt was used (by worker loss)."""
+    decision = retry.after_worker_lost(
+        EffectClass(call.effect), call.attempts, call.max_attempts, why, key=call.key)
+    assert decision.status is not None
+    if rt.store.transition(
+        call.key, decision.status, allowed={CallStatus.QUEUED},
+        match={"attempts": call.attempts},
+        values={"error": decision.error}, detail={"reason": "attempts_exhausted"},
+    ):
+        return Outcome(decision.status, decision.error)
+    return Outcome(None, why=RACED)
+
+
+
+def finish(rt: Runtime, key: str, owner: str, to: CallStatus, **values: Any) -> bool:
+    reason = values.pop("reason", None)
+    try:
+        return rt.store.transition(
+            key, to, allowed={CallStatus.RUNNING}, match={"worker": owner},
+            values=values, detail={"reason": reason} if reason else None,
+        )
+    except Exception as err:
+        if not to.terminal or not _refused_for_its_data(err):
+            raise
+        # The ending was checked before this write, so this is a value the checks missed.
+        # Left to raise, the call would stay running until its lease ran out and the reaper
+        # ran it again or called the worker lost: it ends failed now, in a text that fits.
+        log.warning("the store refused a call's ending; ending it failed", extra={
+            "action": "ending_refused", "key": key, "status": to.value})
+        error = (f"the tool ended ({to.value}) but the store refused to record that ending "
+                 f"({_cause_name(err)})")
+        return rt.store.transition(
+            key, CallStatus.FAILED, allowed={CallStatus.RUNNING}, match={"worker": owner},
+            values={"error": error}, detail={"reason": "ending_refused"})
+
+
+def _refused_for_its_data(err: BaseException) -> bool:
+    """True if the store refused a write for what it held (text it cannot encode, JSON it
+    cannot parse, a value out of range), not because it was unreachable."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, ValueError | RecursionError | DataError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _cause_name(err: BaseException) -> str:
+    """The innermost exception type behind ``err``: a name, never its text (which may hold
+    exactly what the store refused)."""
+    while err.__cause__ is not None or err.__context__ is not None:
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    return type(err).__name__
+
+
+def end(rt: Runtime, key: str, owner: str, to: CallStatus, error: str | None,
+         reason: str) -> Outcome:
+    """End the running attempt ``owner`` holds: the call becomes ``to`` with ``error``."""
+    if finish(rt, key, owner, to, error=error, reason=reason):
+        return Outcome(to, error)
+    return Outcome(None, why=SUPERSEDED)
+
+
+
+def succeed(rt: Runtime, key: str, owner: str, value: Any) -> Outcome:
+    try:
+        dumped = dump_result(value)
+    except (TypeError, ValueError) as err:
+        # The tool ran; its effect happened even though its result cannot be recorded.
+        return end(rt, key, owner, CallStatus.FAILED, f"the tool ran but {err}",
+                    "result_not_json")
+    if finish(rt, key, owner, CallStatus.SUCCEEDED, result=dumped):
+        return Outcome(CallStatus.SUCCEEDED)
+    return Outcome(None, why=SUPERSEDED)
+
+
+DUPLICATE = ("duplicate delivery: the call was not queued (another delivery owns it, it has "
+              "ended, or it is not in the store)")
+RACED = "another delivery or a sweep changed the call first"
+SUPERSEDED = ("the tool returned, but its attempt had been ended or taken over meanwhile (its "
+               "lease ran out); this attempt's outcome was not recorded")
+
+
+
+def error_text(err: BaseException) -> str:
+    """``Type: message`` of a tool's error, as a text the store can hold on every engine.
+
+    A message with a NUL or a lone surrogate gets U+FFFD in their place, and an exception
+    whose ``__str__`` raises is named with why: its call must still end, and say so.
+    """
+    name = type(err).__name__
+    try:
+        text = str(err)
+    except Exception as inner:  # noqa: BLE001 - the tool's own __str__, whatever it raises
+        return f"{name} (its message could not be read: {type(inner).__name__})"
+    return storable_text(f"{name}: {text}" if text else name)
