@@ -236,3 +236,46 @@ def test_the_command_says_what_it_pruned(settings: Any) -> None:
                               env=settings_env(settings))
     assert done.exit_code == 0, done.output
     assert "1 ended turns" in done.output and "2 LangGraph checkpoints" in done.output
+
+
+def test_prune_finds_old_turns_and_checkpoints_through_their_indexes(dex: DexClient) -> None:
+    from sqlalchemy import insert
+
+    from dex_tasks.store.checkpoints import CHECKPOINTS
+    from dex_tasks.store.prune import checkpoint_candidates, turn_candidates
+
+    # Given many recent turns and checkpoints and a few old ones, with planner statistics
+    store, now = dex.store, time.time()
+    old = now - 40 * DAY
+    turn_rows = [{"session_id": f"s{i % 50}", "turn_id": f"t{i}", "input": "x",
+                  "status": "ended" if i % 3 else "open", "created_at": now,
+                  "ended_at": (old if i < 20 else now) if i % 3 else None}
+                 for i in range(3000)]
+    checkpoint_rows = [{"thread_id": f"th{i % 300}", "checkpoint_ns": "",
+                        "checkpoint_id": f"{i:08d}", "parent_checkpoint_id": None,
+                        "type": "msgpack", "checkpoint": b"\x80", "metadata": "{}",
+                        "created_at": old if i < 20 else now} for i in range(3000)]
+    with store.write() as conn:
+        conn.execute(insert(TURNS), turn_rows)
+        conn.execute(insert(CHECKPOINTS), checkpoint_rows)
+    with store.write() as conn:
+        conn.exec_driver_sql("ANALYZE")
+        # When the planner is asked how prune reads a page of each (a later page too)
+        plans = {}
+        for name, statement, index in (
+            ("turns", turn_candidates(now - 30 * DAY, None, 1000), "ix_dex_turns_status_ended"),
+            ("turns, later", turn_candidates(now - 30 * DAY, (old, "s1", "t1"), 1000),
+             "ix_dex_turns_status_ended"),
+            ("checkpoints", checkpoint_candidates(now - 30 * DAY, None, 1000),
+             "ix_dex_checkpoints_created"),
+            ("checkpoints, later", checkpoint_candidates(now - 30 * DAY, (old, "th1", "", "1"),
+                                                         1000), "ix_dex_checkpoints_created"),
+        ):
+            sql = str(statement.compile(conn, compile_kwargs={"literal_binds": True}))
+            explain = "EXPLAIN QUERY PLAN" if store.is_sqlite else "EXPLAIN"
+            plans[name] = (index, "\n".join(
+                str(r[-1]) for r in conn.exec_driver_sql(f"{explain} {sql}")))
+    # Then each walks its index's range of old rows: O(old rows), not O(rows)
+    for name, (index, plan) in plans.items():
+        assert index in plan, (name, plan)
+        assert "Seq Scan" not in plan, (name, plan)

@@ -277,8 +277,10 @@ class CheckpointRow(SQLModel, table=True):
     serialised by LangGraph's own serializer (``type`` names its format)."""
 
     __tablename__ = "dex_checkpoints"
-    # Prune's old checkpoints: a range of it, O(old checkpoints) (migration 0009).
-    __table_args__ = (Index("ix_dex_checkpoints_created", "created_at"),)
+    # Prune's old checkpoints, a page at a time in this order: a range of it, O(old
+    # checkpoints) (migration 0009).
+    __table_args__ = (Index("ix_dex_checkpoints_created", "created_at", "thread_id",
+                            "checkpoint_ns", "checkpoint_id"),)
 
     thread_id: str = Field(sa_column=Column(Text, primary_key=True))
     checkpoint_ns: str = Field(sa_column=Column(Text, primary_key=True))

@@ -287,18 +287,40 @@ def _prune_messages(store: Store, batch: int, result: PruneResult) -> None:
 # -- durable turns --------------------------------------------------------------------------------
 
 
-def _prune_turns(store: Store, batch: int, result: PruneResult) -> None:
-    """Ended turns, oldest first (a range of ``(status, ended_at)``), each once none of its
-    calls is left (calls go first: a kept one, an unreported unknown outcome, keeps its turn)."""
-    after: tuple[float, str, str] | None = None
+def turn_candidates(cutoff: float, after: tuple[float, str, str] | None,
+                    batch: int) -> Select[Any]:
+    """The next page of turns that ended before ``cutoff``, oldest first, after the
+    ``(ended_at, session, turn)`` of the previous page: a range of ``(status, ended_at)``."""
     keys = tuple_(TURNS.c.ended_at, TURNS.c.session_id, TURNS.c.turn_id)
+    page = select(TURNS.c.ended_at, TURNS.c.session_id, TURNS.c.turn_id).where(
+        TURNS.c.status == ENDED, TURNS.c.ended_at < cutoff)
+    if after is not None:
+        page = page.where(keys > tuple_(*after))
+    return page.order_by(*keys.clauses).limit(batch)
+
+
+_CHECKPOINT_ORDER = tuple_(CHECKPOINTS.c.created_at, CHECKPOINTS.c.thread_id,
+                           CHECKPOINTS.c.checkpoint_ns, CHECKPOINTS.c.checkpoint_id)
+
+
+def checkpoint_candidates(cutoff: float, after: tuple[float, str, str, str] | None,
+                          batch: int) -> Select[Any]:
+    """The next page of LangGraph checkpoints older than ``cutoff``, oldest first, after the
+    ``(created_at, thread, namespace, id)`` of the previous page: a range of the
+    ``ix_dex_checkpoints_created`` index, in its order."""
+    page = select(*_CHECKPOINT_ORDER.clauses).where(CHECKPOINTS.c.created_at < cutoff)
+    if after is not None:
+        page = page.where(_CHECKPOINT_ORDER > tuple_(*after))
+    return page.order_by(*_CHECKPOINT_ORDER.clauses).limit(batch)
+
+
+def _prune_turns(store: Store, batch: int, result: PruneResult) -> None:
+    """Ended turns, oldest first (:func:`turn_candidates`), each once none of its calls is
+    left (calls go first: a kept one, an unreported unknown outcome, keeps its turn)."""
+    after: tuple[float, str, str] | None = None
     while True:
-        page = select(TURNS.c.ended_at, TURNS.c.session_id, TURNS.c.turn_id).where(
-            TURNS.c.status == ENDED, TURNS.c.ended_at < result.cutoff)
-        if after is not None:
-            page = page.where(keys > tuple_(*after))
         with store.read() as conn:
-            rows = conn.execute(page.order_by(*keys.clauses).limit(batch)).all()
+            rows = conn.execute(turn_candidates(result.cutoff, after, batch)).all()
         if not rows:
             return
         after = tuple(rows[-1])  # type: ignore[assignment]
@@ -317,21 +339,18 @@ def _prune_turns(store: Store, batch: int, result: PruneResult) -> None:
 
 
 def _prune_checkpoints(store: Store, batch: int, result: PruneResult) -> None:
-    """The threads that have a checkpoint older than the cutoff, ``batch`` threads per
-    transaction: each whole when it is idle, else trimmed to what ``keep_latest`` keeps;
-    never a thread whose dex session (``key_part`` of the thread id, as ``DexMiddleware``
-    names it) has a call or a durable turn open."""
-    after = ""
+    """The threads of each page of old checkpoints (:func:`checkpoint_candidates`), one
+    transaction per page: each thread whole when it is idle, else trimmed to what
+    ``keep_latest`` keeps; never a thread whose dex session (``key_part`` of the thread id,
+    as ``DexMiddleware`` names it) has a call or a durable turn open."""
+    after: tuple[float, str, str, str] | None = None
     while True:
         with store.read() as conn:
-            threads = list(conn.execute(
-                select(CHECKPOINTS.c.thread_id).distinct()
-                .where(CHECKPOINTS.c.created_at < result.cutoff,
-                       CHECKPOINTS.c.thread_id > after)
-                .order_by(CHECKPOINTS.c.thread_id).limit(batch)).scalars())
-        if not threads:
+            page = conn.execute(checkpoint_candidates(result.cutoff, after, batch)).all()
+        if not page:
             return
-        after = threads[-1]
+        after = tuple(page[-1])  # type: ignore[assignment]
+        threads = sorted({row.thread_id for row in page})
         with _batch(store, result) as conn:
             idle = _idle_threads(conn, threads)
             doomed = []
@@ -348,7 +367,7 @@ def _prune_checkpoints(store: Store, batch: int, result: PruneResult) -> None:
             checkpoints, writes = delete_checkpoints(conn, doomed)
             result.checkpoints += checkpoints
             result.checkpoint_writes += writes
-        if len(threads) < batch:
+        if len(page) < batch:
             return
 
 

@@ -9,8 +9,9 @@ message sent while a turn is open is queued, and delivered when the turn ends.
 
 So, at the start of a run (``before_agent``), human messages that follow an AI message with
 unanswered tool calls are taken out of the messages the model reads, kept in the graph's state
-(``dex_queued``, checkpointed with it) and stored in the dex session as queued user messages
-(its snapshot shows them ``queued``); the run goes back to the tool step, which finds each call
+(``dex_queued``, checkpointed with it) and stored in the dex session as user messages (its
+snapshot shows them ``queued`` while a dex call of the turn is open: the store delivers them
+when the calls end); the run goes back to the tool step, which finds each call
 by its key (a call still held for a person pauses the graph again, as before the new input; a
 call that ended gives its result). When the model answers without tools (``after_model``: the
 turn has ended), the held messages are added after its answer and the model is asked again.

@@ -3,7 +3,7 @@
 Prune deletes the turns that ended before its cutoff and the checkpoints of threads with
 nothing open; these indexes let it find them by a range scan, so its cost follows what it
 deletes, not the tables' size: ``dex_turns (status, ended_at)`` and ``dex_checkpoints
-(created_at)``.
+(created_at, thread_id, checkpoint_ns, checkpoint_id)``, the order prune pages them in.
 
 Revision ID: 0009_prune_indexes
 Revises: 0008_single_statement_moves
@@ -21,7 +21,8 @@ depends_on = None
 
 def upgrade() -> None:
     op.create_index("ix_dex_turns_status_ended", "dex_turns", ["status", "ended_at"])
-    op.create_index("ix_dex_checkpoints_created", "dex_checkpoints", ["created_at"])
+    op.create_index("ix_dex_checkpoints_created", "dex_checkpoints",
+                    ["created_at", "thread_id", "checkpoint_ns", "checkpoint_id"])
 
 
 def downgrade() -> None:
