@@ -226,6 +226,20 @@ def driver(
          postgres_url=postgres_admin_url(postgres_url), out_dir=_out(out), console=console)
 
 
+@app.command()
+def pooler(
+    calls: int = typer.Option(500, "--calls", min=1, help="Calls per variant per round."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds (variants alternate)."),
+    postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """A call's store writes direct, without prepared statements, and through PgBouncer."""
+    from bench.pooler import run_pooler
+
+    _run(run_pooler, calls=calls, rounds=rounds, postgres_url=postgres_admin_url(postgres_url),
+         out_dir=_out(out), console=console)
+
+
 @app.command(name="mcp")
 def mcp_latency(
     calls: int = typer.Option(200, "--calls", min=1, help="Calls per variant."),

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from dex_tasks.agent.client import DexClient, idempotency_key
     from dex_tasks.agent.reconcile import report_unknown_outcomes, report_unknown_outcomes_sync
     from dex_tasks.errors import (
+        BrokerRefusedError,
         CallNotFoundError,
         ConfigurationError,
         ConflictError,
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
         OutcomeUnknownError,
         PrunedCallError,
         SchemaOutOfDateError,
+        StoreRefusedError,
         StoreUnavailableError,
         ToolDefinitionError,
         TransientToolError,
@@ -88,7 +90,9 @@ _LAZY: dict[str, str] = {
     "OutcomeUnknownError": "dex_tasks.errors",
     "PrunedCallError": "dex_tasks.errors",
     "SchemaOutOfDateError": "dex_tasks.errors",
+    "StoreRefusedError": "dex_tasks.errors",
     "StoreUnavailableError": "dex_tasks.errors",
+    "BrokerRefusedError": "dex_tasks.errors",
     "ToolDefinitionError": "dex_tasks.errors",
     "TransientToolError": "dex_tasks.errors",
     "TurnConflictError": "dex_tasks.errors",
@@ -134,6 +138,7 @@ __all__ = [
     "ApprovalRule",
     "ApproverPermissionError",
     "AsyncDexClient",
+    "BrokerRefusedError",
     "CallEvent",
     "CallNotFoundError",
     "CallStatus",
@@ -158,6 +163,7 @@ __all__ = [
     "RuleError",
     "SchemaOutOfDateError",
     "SessionMessage",
+    "StoreRefusedError",
     "StoreUnavailableError",
     "TokenClaims",
     "Tool",

@@ -5,7 +5,10 @@ catch one type. The tree::
 
     DexError
     ├── ConfigurationError      a setting is missing or malformed
-    │   └── SchemaOutOfDateError  the store's schema is not this release's (run `db upgrade`)
+    │   ├── SchemaOutOfDateError  the store's schema is not this release's (run `db upgrade`)
+    │   ├── StoreRefusedError     the store refused for a reason waiting cannot fix (also a
+    │   │                         StoreUnavailableError)
+    │   └── BrokerRefusedError    Redis refused the password or a command (ACL)
     ├── UnknownToolError        no local tool and no catalog entry has that name (or no catalog)
     ├── ToolDefinitionError     a @tool function cannot be turned into a tool
     ├── ConflictError           the idempotency key exists with another tool or other arguments
@@ -121,6 +124,20 @@ class IllegalTransitionError(DexError):
 
 class StoreUnavailableError(DexError):
     """The SQL store could not be reached, or it refused a statement."""
+
+
+class StoreRefusedError(StoreUnavailableError, ConfigurationError):
+    """The store answered, and refused for a reason that waiting cannot fix: the login (a
+    wrong password, a role or database that does not exist, a host pg_hba.conf does not
+    allow), or a pooler in front of it that refuses a startup parameter or keeps no prepared
+    statements. The message (one line, no password) names the cause and the fix. Nothing
+    retries it; processes that start against it exit at once."""
+
+
+class BrokerRefusedError(ConfigurationError):
+    """Redis answered, and refused for a reason that waiting cannot fix: the password
+    (``WRONGPASS``, ``NOAUTH``) or a command dex-tasks needs (an ACL user without it,
+    ``NOPERM``). The message (one line, no password) names the cause and the fix."""
 
 
 class InvalidArgumentError(DexError, ValueError):

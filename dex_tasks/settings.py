@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -178,6 +178,13 @@ class DexSettings(BaseSettings):
         description="PostgreSQL sessions: the server ends one that sits this long inside a "
         "transaction without running a statement, freeing the locks of a client that "
         "vanished mid-transaction (idle_in_transaction_session_timeout, set per session).",
+    )
+    store_pooler: Literal["none", "transaction"] = Field(
+        default="none",
+        description="What stands between dex-tasks and PostgreSQL: none (the server itself, "
+        "or a session pooler that passes startup options through), or transaction (a "
+        "transaction pooler such as PgBouncer with pool_mode = transaction: no startup "
+        "options, no session state, no server-side prepared statements).",
     )
     sweep_statement_timeout_seconds: float = Field(
         default=20.0, gt=0,

@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 import redis
 from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
 from dex_tasks import DexClient, DexSettings, StoreUnavailableError
 from dex_tasks.worker.execution import Runtime
 from dex_tasks.worker.sweeps import run_job
 from tests.helpers import RedisServer, WorkerProcess, free_port, start_process
+from tests.pgbouncer import PgBouncer, require_pgbouncer
 
 POSTGRES_URL = os.environ.get("DEX_TEST_POSTGRES_URL", "")
 
@@ -72,6 +74,31 @@ def postgres_url() -> Iterator[str]:
     with admin.connect() as conn:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def pooler() -> Iterator[PgBouncer]:
+    """A PgBouncer of this run (Debian's package, ``pool_mode = transaction``, a free port)
+    in front of the machine's PostgreSQL; see ``tests/pgbouncer.py``."""
+    if not POSTGRES_URL:
+        if os.environ.get("CI"):
+            pytest.fail("DEX_TEST_POSTGRES_URL must be set on CI")
+        pytest.skip("DEX_TEST_POSTGRES_URL is not set")
+    require_pgbouncer()
+    host, port = make_url(POSTGRES_URL).host, make_url(POSTGRES_URL).port or 5432
+    bouncer = PgBouncer(server=f"{host}:{port}").start()
+    yield bouncer
+    bouncer.cleanup()
+
+
+@pytest.fixture
+def pooled_postgres_url(postgres_url: str, pooler: PgBouncer,
+                        monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh PostgreSQL database reached through :func:`pooler`, with
+    ``DEX_STORE_POOLER=transaction`` set for this test (stores it builds, and the
+    subprocesses it starts with ``settings_env``, see the pooler)."""
+    monkeypatch.setenv("DEX_STORE_POOLER", "transaction")
+    return pooler.url(postgres_url)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -55,6 +55,8 @@ class RedisServer:
     extra: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
     dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="dex-redis-"))
+    # The default user's password (--requirepass), when the server should have one.
+    password: str | None = None
 
     @property
     def url(self) -> str:
@@ -66,10 +68,11 @@ class RedisServer:
             raise RuntimeError("redis-server is not on PATH")
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--dir", self.dir, "--databases", "64", *self.extra],
+             "--dir", self.dir, "--databases", "64",
+             *(["--requirepass", self.password] if self.password else []), *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2, password=self.password)
         wait_until(lambda: _pings(client), 10, f"redis-server on port {self.port}")
         client.close()
         return self

@@ -192,3 +192,19 @@ def test_many_tools_measures_each_catalog_size_and_names_one_key_per_queue(
         # One list per queue (no priority steps): the tools' queues, reconcile and webhooks.
         assert run["brpop_keys"] == run["tools"] + 2, run
         assert run["burst_calls_per_s"] > 0 and run["latency_p50_ms"] > 0
+
+
+def test_pooler_times_a_calls_writes_direct_and_through_pgbouncer(tmp_path: Path) -> None:
+    from bench.pooler import VARIANTS, run_pooler
+    from tests.pgbouncer import require_pgbouncer
+
+    if not POSTGRES_URL:
+        import pytest
+
+        pytest.skip("DEX_TEST_POSTGRES_URL is not set")
+    require_pgbouncer()
+    data = _written(run_pooler(calls=3, rounds=1, postgres_url=POSTGRES_URL, out_dir=tmp_path,
+                               console=_quiet()), tmp_path)
+    assert [row["variant"] for row in data["rows"]] == list(VARIANTS)
+    assert all(row["ms_per_call"] > 0 and len(row["rounds_ms"]) == 1 for row in data["rows"])
+    assert data["command"] == "python -m bench pooler --calls 3 --rounds 1"

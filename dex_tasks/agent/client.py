@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from dex_tasks.agent import turns
     from dex_tasks.broker import notify, webhooks
     from dex_tasks.broker.celery_app import create_app, publish, publish_many
+    from dex_tasks.broker.preflight import refuse_if_refused
     from dex_tasks.broker.redis_clients import connector
     from dex_tasks.settings import DexSettings
     from dex_tasks.store import Store, catalog, journal
@@ -59,6 +60,7 @@ else:
     create_app, publish, publish_many = _deferred("dex_tasks.broker.celery_app", "create_app",
                                                   "publish", "publish_many")
     connector = _deferred("dex_tasks.broker.redis_clients", "connector")
+    refuse_if_refused = _deferred("dex_tasks.broker.preflight", "refuse_if_refused")
     DexSettings = _deferred("dex_tasks.settings", "DexSettings")
     Store, catalog, journal = _deferred("dex_tasks.store", "Store", "catalog", "journal")
     unsent = _deferred("dex_tasks.store.calls", "unsent")
@@ -94,14 +96,21 @@ class DexClient(SessionMethods):
         # pooled connections meanwhile: one that sat idle a second is tested before use. The
         # ping's round trip is nothing next to a second of idling, and none is made under load.
         self.store = Store(self.settings.database_url,
-                           retry_seconds=self.settings.store_retry_seconds, ping_after_idle=1.0)
-        if create_tables:
-            try:
+                           retry_seconds=self.settings.store_retry_seconds, ping_after_idle=1.0,
+                           pooler=self.settings.store_pooler == "transaction")
+        try:
+            # A Redis that refuses the password or a command is a mistake to hear of now, in
+            # one line (BrokerRefusedError), not as every call ending "did not run"; one that
+            # is down is not waited for.
+            refuse_if_refused(self.settings, "client",
+                              timeout=self.settings.publish_timeout_seconds)
+            if create_tables:
                 self.store.create_all()
-            except BaseException:
-                # A schema of another release (SchemaOutOfDateError): no connection left open.
-                self.store.close()
-                raise
+        except BaseException:
+            # A schema of another release (SchemaOutOfDateError), a refusal: no connection
+            # left open.
+            self.store.close()
+            raise
         # Calls this client ends (a rejection, invalid arguments, a failed publish) wake their
         # waiters and are counted like the ones workers end.
         self._notifier = notify.install(self.store, self.settings.redis_url,

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import sys
 
+import redis
 import typer
 
+from dex_tasks.broker.preflight import refusal, transient
+from dex_tasks.broker.redis_clients import safe_url
 from dex_tasks.errors import ConfigurationError, DexError
 from dex_tasks.logs import visible
 from dex_tasks.ops import cli_approvals, cli_inspect, cli_processes, cli_store
 from dex_tasks.ops.cli_common import until_store_answers
-from dex_tasks.settings import settings_help
+from dex_tasks.settings import DexSettings, settings_help
 
 __all__ = ["app", "main", "until_store_answers"]
 
@@ -42,6 +45,21 @@ def main(argv: list[str] | None = None) -> None:
     except DexError as err:
         typer.echo(f"error: {visible(str(err))}", err=True)
         sys.exit(2 if isinstance(err, ConfigurationError) else 1)
+    except KeyboardInterrupt:
+        # Ctrl-C while a worker or beat waits for Redis or the store: no traceback.
+        sys.exit(130)
+    except redis.RedisError as err:
+        # A command that reached Redis itself (sweep, prune): a refusal is the user's to fix
+        # (one line naming it, as DexClient's BrokerRefusedError), an outage too.
+        refused = not transient(err)
+        try:
+            url = DexSettings().redis_url
+        except DexError:
+            url = "DEX_REDIS_URL"
+        text = (refusal(err, url) if refused else
+                f"Redis at {safe_url(url)} is not answering: {' '.join(str(err).split())}")
+        typer.echo(f"error: {visible(text)}", err=True)
+        sys.exit(2 if refused else 1)
 
 
 if __name__ == "__main__":

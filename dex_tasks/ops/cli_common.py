@@ -43,21 +43,28 @@ STARTUP_STORE_WAIT_SECONDS = 60.0
 def until_store_answers(step: Callable[[], T], wait: float = STARTUP_STORE_WAIT_SECONDS) -> T:
     """Run a start-up ``step`` that needs the store, again while the store cannot be reached
     (a database restarting as the worker or beat starts, a connection dropped), for up to
-    ``wait`` seconds; then the store's error, which the CLI prints in one line.
+    ``wait`` seconds; then the store's error, which the CLI prints in one line. Each try that
+    failed is one WARNING line with the store's URL (no password), the cause and how long
+    it has been.
 
-    An out-of-date schema or a bad setting is not waited for: it is raised at once.
+    What waiting cannot fix is not waited for: a refusal (a wrong password, a database that
+    does not exist, a pooler refusing a parameter: :class:`StoreRefusedError`), an
+    out-of-date schema or a bad setting is raised at once.
     """
-    deadline = time.monotonic() + wait
+    started = time.monotonic()
+    deadline = started + wait
     pause = 0.5
     while True:
         try:
             return step()
         except StoreUnavailableError as err:
-            if time.monotonic() + pause > deadline:
+            if isinstance(err, ConfigurationError) or time.monotonic() + pause > deadline:
                 raise
+            elapsed = time.monotonic() - started
             logging.getLogger("dex_tasks").warning(
-                "the store is not answering yet; trying again",
-                extra={"action": "startup_store_wait", "error": str(err)[:300]})
+                f"the store is not answering yet ({' '.join(str(err).split())[:300]}); trying "
+                f"again in {pause:.1f} s (waiting for {elapsed:.0f} s)",
+                extra={"action": "startup_store_wait", "waiting_for": f"{elapsed:.0f}s"})
             time.sleep(pause)
             pause = min(pause * 2, 5.0)
 

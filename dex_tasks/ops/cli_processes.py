@@ -11,6 +11,7 @@ from importlib.metadata import entry_points
 import typer
 
 from dex_tasks.broker.celery_app import create_app
+from dex_tasks.broker.preflight import refuse_if_refused, until_redis_answers
 from dex_tasks.errors import ConfigurationError
 from dex_tasks.logs import setup_process_logging, visible
 from dex_tasks.ops.cli_common import (
@@ -117,6 +118,10 @@ def worker(
         served = select_tools(registered, serve)
     except ServeSelectionError as err:
         raise typer.BadParameter(str(err), param_hint="--serve") from None
+    # Redis first, then the store, then Celery: its banner comes once both answer, and a
+    # refused password or command ends the worker here, in one line, instead of being
+    # retried for ever.
+    until_redis_answers(settings, "worker")
     store = Store(settings.database_url)
     # Every imported tool's definition (policy, schema) is published, served here or not:
     # which tools have a live worker is a separate, expiring record (routing.Presence).
@@ -183,6 +188,9 @@ def beat(
     settings = DexSettings()
     setup_process_logging(log_format, loglevel, secret_or_none(settings),
                           celery=True)
+    # A Redis that refuses beat is one line now; one that is down is not waited for: the
+    # deadline and lease sweeps need only the store, and run meanwhile.
+    refuse_if_refused(settings, "beat", timeout=5.0)
     store = Store(settings.database_url)
     until_store_answers(store.create_all)
     store.close()
@@ -304,6 +312,9 @@ def sweep(
 
     settings = DexSettings()
     import_tool_modules(tool_modules(tools, settings, required=False))
+    # A refused password or command is one line, before any job meets it (each job would
+    # log its own Redis failure and go on).
+    refuse_if_refused(settings, "beat", timeout=5.0)
     rt = runtime(create_app(settings))
     rt.store.create_all()
     print_json(console, json.dumps(run_all(rt)))

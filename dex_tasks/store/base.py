@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 
-from dex_tasks.errors import StoreUnavailableError
+from dex_tasks.errors import StoreRefusedError, StoreUnavailableError
+from dex_tasks.settings import DexSettings
 from dex_tasks.states import CallStatus
 from dex_tasks.store.connections import (
     FORK_GUARD,
@@ -27,7 +28,9 @@ from dex_tasks.store.connections import (
     retryable,
     server_engine,
     sqlite_engine,
+    statements_bounded,
 )
+from dex_tasks.store.refusals import refusal
 from dex_tasks.store.tables import STORE_NOW
 
 log = logging.getLogger("dex_tasks.store")
@@ -90,20 +93,29 @@ class StoreBase:
     many seconds before using it; for processes that idle (see
     ``connections.server_engine``). ``network``: how long a server connection may hang on a
     silent network (default: what ``DEX_STORE_*`` give, ``connections.NetworkBounds``).
+    ``pooler``: a transaction pooler is in front of the server (default: what
+    ``DEX_STORE_POOLER`` says; see ``connections.server_engine``).
+
+    An error that waiting cannot fix (a refused login, a database that does not exist, a
+    pooler refusing a startup parameter: ``refusals.refusal``) is never retried: it raises
+    :class:`StoreRefusedError` at once, one line naming the cause and the fix.
     """
 
     def __init__(self, database_url: str, *, retry_seconds: float = 5.0,
                  ping_after_idle: float | None = None,
-                 network: NetworkBounds | None = None) -> None:
+                 network: NetworkBounds | None = None, pooler: bool | None = None) -> None:
         self.url = database_url
         self.retry_seconds = retry_seconds
         self.is_sqlite = database_url.startswith("sqlite")
         if self.is_sqlite:
+            self.pooler = False
             self.engine = sqlite_engine(database_url, immediate=True)
             self.read_engine = sqlite_engine(database_url, immediate=False)
         else:
+            self.pooler = (DexSettings().store_pooler == "transaction" if pooler is None
+                           else pooler)
             self.engine = server_engine(database_url, ping_after_idle=ping_after_idle,
-                                        network=network)
+                                        network=network, pooler=self.pooler)
             self.read_engine = self.engine
         self.is_postgres = self.engine.dialect.name == "postgresql"
         # PostgreSQL's hot-path writes are one statement each (a data-modifying CTE), run in
@@ -162,7 +174,13 @@ class StoreBase:
             self.read_engine.dispose()
 
     def _unavailable(self, err: SQLAlchemyError) -> StoreUnavailableError:
+        """The error to raise for ``err``: :class:`StoreRefusedError` when waiting cannot
+        fix it, :class:`StoreUnavailableError` otherwise."""
         cause = err.orig if isinstance(err, DBAPIError) else err
+        refused = None if self.is_sqlite else refusal(str(cause), where=self.safe_url,
+                                                      pooler=self.pooler)
+        if refused is not None:
+            return StoreRefusedError(refused)
         return StoreUnavailableError(
             f"the store at {self.safe_url} failed: {type(err).__name__}: {cause}")
 
@@ -241,12 +259,16 @@ class StoreBase:
         connection (PostgreSQL; SQLite keeps its transaction), where each statement is its
         own transaction: for one-statement writes, and for reads of one statement, which a
         transaction would cost two more round trips (``BEGIN``, and the ``ROLLBACK`` of the
-        connection's return to the pool) and no more consistency.
+        connection's return to the pool) and no more consistency. Under
+        ``bounded_statements`` (sweeps, lease renewals) ``op`` runs in a short transaction
+        instead, which keeps the bounds' ``SET LOCAL`` (nothing is set on the session: a
+        pooler would hand it to another client).
         """
-        autocommit = single and self.is_postgres
+        autocommit = single and self.is_postgres and not statements_bounded()
         engine = (self.autocommit_engine if autocommit
                   else self.read_engine if read else self.engine)
-        deadline = time.monotonic() + self.retry_seconds
+        started = time.monotonic()
+        deadline = started + self.retry_seconds
         pause = RETRY_FIRST_PAUSE
         attempt = 1
         while True:
@@ -257,11 +279,14 @@ class StoreBase:
             except IntegrityError:
                 raise
             except DBAPIError as err:
-                if (not retryable(err, sqlite=self.is_sqlite)
+                failure = self._unavailable(err)
+                if (isinstance(failure, StoreRefusedError)
+                        or not retryable(err, sqlite=self.is_sqlite)
                         or time.monotonic() + pause > deadline):
-                    raise self._unavailable(err) from err
+                    raise failure from err
                 log.warning("store connection lost or busy; trying again", extra={
-                    "action": "store_retry", "attempt": attempt,
+                    "action": "store_retry", "attempt": attempt, "store": self.safe_url,
+                    "retrying_for": f"{time.monotonic() - started:.1f}s",
                     "error": f"{type(err.orig).__name__}: {str(err.orig).strip()[:200]}"})
             except SQLAlchemyError as err:
                 raise self._unavailable(err) from err

@@ -27,6 +27,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 from sqlmodel import create_engine
 
+from dex_tasks.errors import StoreRefusedError
 from dex_tasks.settings import DexSettings
 from dex_tasks.store.driver import run_text
 
@@ -41,7 +42,9 @@ SQLITE_BUSY_SECONDS = 30
 
 # psycopg prepares a statement on the server once a connection has run it this many times, so
 # later runs send only the parameters (no parse and plan): the hot statements (claim, finish,
-# renew) are the same few texts on every call. psycopg's default is 5.
+# renew) are the same few texts on every call. psycopg's default is 5. Never behind a
+# transaction pooler (DEX_STORE_POOLER=transaction): a statement prepared in one transaction's
+# server session is missing from the next one's, or is another client's of the same name.
 PREPARE_THRESHOLD = 2
 
 # The first key of the advisory lock that serialises schema changes (``create_all`` today, the
@@ -146,7 +149,10 @@ class NetworkBounds:
       running a statement, for this long, which frees the locks of a client that vanished
       mid-transaction. Set per session from the client (``options=-c ...``), so it holds
       without any server configuration, and so are the server's own keepalives and user
-      timeout toward the client (PostgreSQL 12+).
+      timeout toward the client (PostgreSQL 12+). Not behind a transaction pooler, which
+      refuses (or drops) startup options and whose server sessions are not the client's:
+      there the pooler's own ``idle_transaction_timeout`` and keepalives, or the role's
+      defaults (``ALTER ROLE ... SET``), do this (docs/deploying.md).
 
     dex-tasks never holds a transaction open across anything but its own statements (no
     Redis call, no tool code runs inside one), so a live client never comes near the idle
@@ -170,10 +176,19 @@ class NetworkBounds:
                    connect_timeout=settings.store_connect_timeout_seconds,
                    idle_in_transaction=settings.store_idle_in_transaction_seconds)
 
-    def libpq_args(self, url: str) -> dict[str, Any]:
+    def libpq_args(self, url: str, *, pooler: bool = False) -> dict[str, Any]:
         """libpq connection parameters for these bounds (``options`` merged with the URL's:
-        a ``-c`` the URL gives comes last, so it wins)."""
+        a ``-c`` the URL gives comes last, so it wins). ``pooler``: a transaction pooler is
+        in front, so only the client's own socket options (no ``options``: the URL's, if it
+        gives any, still go as they are)."""
         user_timeout_ms = int(self.tcp_user_timeout * 1000)
+        sockets = {"keepalives": 1, "keepalives_idle": self.keepalive_idle,
+                   "keepalives_interval": self.keepalive_interval,
+                   "keepalives_count": self.keepalive_count,
+                   "tcp_user_timeout": user_timeout_ms,
+                   "connect_timeout": self.connect_timeout}
+        if pooler:
+            return sockets
         server = {
             "idle_in_transaction_session_timeout": int(self.idle_in_transaction * 1000),
             "tcp_keepalives_idle": self.keepalive_idle,
@@ -185,11 +200,7 @@ class NetworkBounds:
         given = make_url(url).query.get("options")
         if given:
             options = f"{options} {given if isinstance(given, str) else ' '.join(given)}"
-        return {"keepalives": 1, "keepalives_idle": self.keepalive_idle,
-                "keepalives_interval": self.keepalive_interval,
-                "keepalives_count": self.keepalive_count,
-                "tcp_user_timeout": user_timeout_ms,
-                "connect_timeout": self.connect_timeout, "options": options}
+        return {**sockets, "options": options}
 
 
 @dataclass(frozen=True)
@@ -204,11 +215,6 @@ _BOUNDS: ContextVar[StatementBounds | None] = ContextVar("dex_statement_bounds",
 _SET_BOUNDS = select(
     func.set_config("statement_timeout", bindparam("bound_statement"), True),
     func.set_config("lock_timeout", bindparam("bound_lock"), True))
-_SET_SESSION_BOUNDS = select(
-    func.set_config("statement_timeout", bindparam("bound_statement"), False),
-    func.set_config("lock_timeout", bindparam("bound_lock"), False))
-# Marks, in a pooled connection's info, a session whose bounds were set for its session.
-_SESSION_BOUNDED = "dex_session_bounded"
 
 
 @contextmanager
@@ -228,8 +234,15 @@ def bounded_statements(statement: float, lock: float) -> Iterator[None]:
         _BOUNDS.reset(token)
 
 
+def statements_bounded() -> bool:
+    """True inside :func:`bounded_statements`: what this thread runs now must run inside a
+    transaction (the store then runs even a one-statement write in one, not in autocommit),
+    since the bounds are a ``SET LOCAL`` that only a transaction keeps."""
+    return _BOUNDS.get() is not None
+
+
 def server_engine(url: str, *, ping_after_idle: float | None,
-                  network: NetworkBounds | None = None) -> Engine:
+                  network: NetworkBounds | None = None, pooler: bool = False) -> Engine:
     """A pooled engine for a database server (PostgreSQL).
 
     ``ping_after_idle`` (seconds): a pooled connection that sat idle at least that long is
@@ -242,47 +255,93 @@ def server_engine(url: str, *, ping_after_idle: float | None,
 
     ``network``: how long a connection may hang on a silent network (:class:`NetworkBounds`;
     default: the bounds ``DEX_STORE_*`` give).
+
+    ``pooler``: a transaction pooler (PgBouncer, ``pool_mode = transaction``) is in front
+    (``DEX_STORE_POOLER=transaction``): each transaction may run on another server session,
+    shared with other clients, so nothing may live in a session. No startup ``options``, no
+    statements prepared on the server, and no ``SET`` but ``SET LOCAL`` (the bounds below;
+    the store's advisory locks are all transaction-scoped). Without it, the first
+    connection checks that the server took the startup options, which a pooler configured
+    to ignore them (``ignore_startup_parameters = options``) silently drops: the store then
+    refuses to go on, naming the setting (:class:`StoreRefusedError`), rather than fail
+    later on a prepared statement another session does not have.
     """
     connect_args: dict[str, Any] = {}
     parsed = make_url(url)
     if parsed.get_backend_name() == "postgresql":
         bounds = network or NetworkBounds.from_settings(DexSettings())
-        connect_args.update(bounds.libpq_args(url))
+        connect_args.update(bounds.libpq_args(url, pooler=pooler))
     if parsed.get_driver_name() == "psycopg":
-        connect_args["prepare_threshold"] = PREPARE_THRESHOLD
+        connect_args["prepare_threshold"] = None if pooler else PREPARE_THRESHOLD
     engine = create_engine(url, pool_size=5, max_overflow=10, pool_recycle=1800,
                            connect_args=connect_args)
     _guard_fork(engine)
+    if parsed.get_backend_name() == "postgresql" and not pooler:
+        _check_options_taken(engine, parsed.render_as_string(hide_password=True))
 
     @event.listens_for(engine, "begin")
     def _bound(conn: Connection) -> None:
-        if conn.dialect.name != "postgresql":
-            return
         bounds = _BOUNDS.get()
-        autocommit = conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT"
-        if conn.info.get(_SESSION_BOUNDED) and (bounds is None or not autocommit):
-            # The bounds an earlier autocommit use left on this session (see below)
-            conn.exec_driver_sql("RESET statement_timeout; RESET lock_timeout")
-            conn.info.pop(_SESSION_BOUNDED, None)
-        if bounds is None:
+        if bounds is None or conn.dialect.name != "postgresql":
             return
-        values = {"bound_statement": f"{int(bounds.statement * 1000)}ms",
-                  "bound_lock": f"{int(bounds.lock * 1000)}ms"}
-        if not autocommit:
-            # set_config(..., true) is SET LOCAL: it ends with the transaction. One statement
-            # with bound values, so psycopg can prepare it like the others.
-            conn.execute(_SET_BOUNDS, values)
-        elif not conn.info.get(_SESSION_BOUNDED):
-            # A one-statement write in autocommit (transitions.single_statement) has no
-            # transaction for a SET LOCAL to last through: it ended with its own statement,
-            # and a sweep's move then queued behind a row lock for as long as the lock was
-            # held. The bounds are set on the session instead, and reset by the next use of
-            # this connection that is not bounded.
-            conn.execute(_SET_SESSION_BOUNDS, values)
-            conn.info[_SESSION_BOUNDED] = True
+        if conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
+            # A statement in autocommit has no transaction for a SET LOCAL to last through
+            # (it would end before the statement ran), and a SET on the session would outlive
+            # it (and behind a pooler, land on another client's session). The store runs
+            # bounded work in transactions (see statements_bounded); nothing to bound here.
+            return
+        # set_config(..., true) is SET LOCAL: it ends with the transaction. One statement
+        # with bound values, so psycopg can prepare it like the others.
+        conn.execute(_SET_BOUNDS, {"bound_statement": f"{int(bounds.statement * 1000)}ms",
+                                   "bound_lock": f"{int(bounds.lock * 1000)}ms"})
+
+    @event.listens_for(engine, "handle_error")
+    def _read_only_is_a_lost_server(context: Any) -> None:
+        # A server that is read-only now (a primary demoted during a failover, a standby a
+        # pooler or DNS still points at) refuses writes with 25006; the new primary is
+        # reached on a new connection. Taken as a lost connection, it is retried as one (the
+        # pool drops its connections to that server), never reported as the statement's
+        # fault.
+        if getattr(context.original_exception, "sqlstate", None) == READ_ONLY_SQLSTATE:
+            context.is_disconnect = True
+
     if ping_after_idle is not None:
         _ping_after_idle(engine, ping_after_idle)
     return engine
+
+
+# read_only_sql_transaction: a write sent to a server that only reads.
+READ_ONLY_SQLSTATE = "25006"
+
+# Where a setting the client sent in its startup options says so (pg_settings.source).
+_OPTIONS_TAKEN = ("SELECT source FROM pg_settings "
+                  "WHERE name = 'idle_in_transaction_session_timeout'")
+
+
+def _check_options_taken(engine: Engine, where: str) -> None:
+    """On the engine's first connection, make sure the server took the startup options (see
+    :func:`server_engine`): one round trip per engine, none after."""
+    checked = threading.Event()
+
+    @event.listens_for(engine, "connect")
+    def _options_taken(dbapi_conn: Any, _record: Any) -> None:
+        if checked.is_set():
+            return
+        cur = dbapi_conn.cursor()
+        try:
+            cur.execute(_OPTIONS_TAKEN)
+            row = cur.fetchone()
+        finally:
+            cur.close()
+            dbapi_conn.rollback()
+        if row is not None and row[0] != "client":
+            raise StoreRefusedError(
+                f"the store at {where} ignored the startup options dex-tasks sent "
+                f"(idle_in_transaction_session_timeout came from {row[0]!r}, not the "
+                "client): a connection pooler is in front of the server (PgBouncer with "
+                "ignore_startup_parameters = options?): set DEX_STORE_POOLER=transaction "
+                "(see docs/deploying.md, \"Behind a connection pooler\")")
+        checked.set()
 
 
 def _ping_after_idle(engine: Engine, seconds: float) -> None:
@@ -304,9 +363,11 @@ def _ping_after_idle(engine: Engine, seconds: float) -> None:
 
 def retryable(err: DBAPIError, *, sqlite: bool) -> bool:
     """True when running the same transaction again may succeed: the connection was lost or
-    could not be made, the server shut the session down, or the database was busy (a
-    deadlock, a serialisation failure, SQLite's lock). False for errors in the statement or
-    the data (a missing table, a constraint), which would fail again the same way."""
+    could not be made, the server shut the session down or is read-only (a failover under
+    way: see ``server_engine``), or the database was busy (a deadlock, a serialisation
+    failure, SQLite's lock). False for errors in the statement or the data (a missing table,
+    a constraint), which would fail again the same way, and for a server that refused us
+    (``refusals.refusal``, which the store checks first)."""
     if err.connection_invalidated:
         return True
     if isinstance(err, IntegrityError):
