@@ -234,3 +234,40 @@ def _queued_input_is_delivered_after_the_turn(dex: DexClient) -> None:
     assert (ended.status, ended.answer) == ("ended", "Order 1001 has shipped.")
 
 
+
+
+def test_a_queued_input_run_again_after_its_turn_begins_from_the_message_that_waited(
+    dex: DexClient,
+) -> None:
+    # Given an open turn, and another input queued behind it (sent twice: held once)
+    first = dex.begin_turn("q", "Refund charge ch_1")
+    for _ in range(2):
+        assert dex.begin_turn("q", "Where is order 1002?").queued_input
+    dex.end_turn("q", first.turn_id, "Refunded.")
+    # And, while a later turn is open, the same input again: not queued a second time, since
+    # the first one, delivered, has begun no turn yet
+    later = dex.begin_turn("q", "Anything else?")
+    assert dex.begin_turn("q", "Where is order 1002?").queued_input
+    dex.end_turn("q", later.turn_id, "No.")
+    users = [m for m in dex.get_agent_snapshot("q").messages if m.role is MessageRole.USER]
+    assert [(m.text, m.status) for m in users] == [("Refund charge ch_1", "delivered"),
+                                                   ("Where is order 1002?", "delivered"),
+                                                   ("Anything else?", "delivered")]
+    waited = users[1]
+
+    # When it is run again (the same code, the same input) once the turns before it ended
+    turn = dex.begin_turn("q", "Where is order 1002?")
+    # Then its turn begins from the message that waited: the session holds it once
+    assert (turn.status, turn.queued_input, turn.resumed) == ("open", False, False)
+    users = [m for m in dex.get_agent_snapshot("q").messages if m.role is MessageRole.USER]
+    assert [m.text for m in users].count("Where is order 1002?") == 1
+    assert [(m.id, m.turn_id) for m in users if m.text == "Where is order 1002?"] == [
+        (waited.id, turn.turn_id)]
+    # And a restart finds that turn open; a third run of the input, once it ended, is a new
+    # turn with a message of its own (the waiting one has been answered)
+    assert dex.begin_turn("q", "Where is order 1002?").resumed
+    dex.end_turn("q", turn.turn_id, "Packed.")
+    again = dex.begin_turn("q", "Where is order 1002?")
+    assert again.turn_id != turn.turn_id
+    users = [m for m in dex.get_agent_snapshot("q").messages if m.role is MessageRole.USER]
+    assert [m.text for m in users].count("Where is order 1002?") == 2

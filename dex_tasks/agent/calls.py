@@ -7,7 +7,6 @@ here writes or sends anything.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 import uuid
@@ -27,6 +26,8 @@ from dex_tasks.limits import (
     TURN_ID_MAX,
     check_id,
 )
+from dex_tasks.limits import KEY_PART_MAX as KEY_PART_MAX
+from dex_tasks.limits import key_part as key_part
 from dex_tasks.policy import EffectClass, ToolPolicy, parse_effect, resolve_policy
 from dex_tasks.registry import InvalidArguments, canonical_json
 from dex_tasks.states import CallStatus
@@ -59,48 +60,6 @@ def idempotency_key(session_id: str, turn_id: str, tool_call_id: str) -> str:
             f"characters, got {len(key)}: shorten the ids"
         )
     return key
-
-
-# key_part: a framework id is escaped ("~" then two hex digits for "~", "/" and control
-# characters, "~u" and four for a lone surrogate) and used as it is when that is short enough;
-# otherwise a readable prefix, "~~" and a hash of the whole id. An escaped id never holds "~~",
-# so the two forms never meet, and escaping is one-to-one: two different ids never give one
-# part (long ones only on a SHA-256 collision).
-KEY_PART_MAX = 160
-_KEY_PART_PREFIX = 100
-
-
-def _escape_char(c: str) -> str:
-    code = ord(c)
-    if 0xD800 <= code <= 0xDFFF:
-        return f"~u{code:04x}"
-    if c in "~/" or code < 0x20 or code == 0x7F:
-        return f"~{code:02x}"
-    return c
-
-
-def key_part(value: str) -> str:
-    """The part of an idempotency key for a framework's id (a thread, run, message or
-    tool-call id), the same for the same id and different for different ids.
-
-    An id of ordinary characters is its own part; ``~``, ``/``, control characters and lone
-    surrogates are escaped (``~2f`` for ``/``); an id whose escaped form is over 160
-    characters becomes its first characters, ``~~`` and 32 hex digits of its SHA-256. Every
-    part is a valid key part (:func:`idempotency_key`), three of them within the key's limit.
-    """
-    if not isinstance(value, str) or not value:
-        raise InvalidCallError(f"a framework id must be a non-empty string, got {value!r}")
-    escaped = "".join(_escape_char(c) for c in value)
-    if len(escaped) <= KEY_PART_MAX:
-        return escaped
-    prefix = ""
-    for c in value:
-        piece = _escape_char(c)
-        if len(prefix) + len(piece) > _KEY_PART_PREFIX:
-            break
-        prefix += piece
-    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-    return f"{prefix}~~{digest}"
 
 
 class ToolCallRequest(BaseModel):

@@ -34,7 +34,9 @@ How it works:
   journaled responses instead of asking the model, so a model that would decide otherwise
   the second time cannot start a new call. (Without it, a model that answers differently on
   the re-run asks for other arguments under the same step's key; the tool tells it that this
-  step's call was already made with other arguments.)
+  step's call was already made with other arguments.) While an earlier task's turn is open, a
+  later task waits behind it (its input queued, its model not asked); the crew run again once
+  that turn ended runs it.
 * A call that needs approval is held ``awaiting_approval`` in dex-tasks for a person
   (``resolve_interrupt``, the approval page, ``dex-tasks approvals``). The tool waits up to
   ``approval_wait`` seconds (default 0) for the decision, then tells the agent that the call
@@ -60,6 +62,7 @@ from dex_tasks.integrations.extras import needs_extra
 with needs_extra("crewai", "dex_tasks.integrations.crewai"):
     from crewai import BaseLLM
     from crewai.agents.parser import AgentFinish, OutputParserError, parse
+    from crewai.events.listeners.tracing.trace_listener import TraceCollectionListener
     from crewai.hooks import register_after_tool_call_hook, register_before_tool_call_hook
     from crewai.hooks.tool_hooks import ToolCallHookContext
     from crewai.tools import BaseTool
@@ -72,15 +75,21 @@ from dex_tasks import (
     EffectClass,
     ToolCallRecord,
     ToolSpec,
+    Turn,
+    TurnConflictError,
     UnknownToolError,
     idempotency_key,
     key_part,
 )
 
-__all__ = ["DEFAULT_TIMEOUT", "DexCrewLLM", "DexCrewTool", "dex_crew_tools", "dex_ids"]
+__all__ = ["DEFAULT_TIMEOUT", "WAITING_TASK", "DexCrewLLM", "DexCrewTool", "dex_crew_tools",
+           "dex_ids"]
 
 DEFAULT_TIMEOUT = 120.0
 """Seconds a tool call waits for its dex call to end before it tells the agent it still runs."""
+
+WAITING_TASK = "This task has not started:"
+"""How the answer of a task that waits behind an earlier task's open turn begins."""
 
 _JSON_TYPES: dict[str, Any] = {"string": str, "integer": int, "number": float,
                                "boolean": bool, "array": list, "object": dict}
@@ -120,6 +129,21 @@ def _register_hooks() -> None:
             register_before_tool_call_hook(_remember_step)
             register_after_tool_call_hook(_forget_step)
             _hook_registered = True
+    _no_trace_prompt()
+
+
+def _no_trace_prompt() -> None:
+    """Turn off CrewAI's first-run prompt in this process.
+
+    After a crew's first run on a machine, CrewAI asks on the console whether to view its
+    execution traces and waits 20 s for an answer (CrewAI 1.6's ``FirstTimeTraceHandler``,
+    decided once per process by its trace listener). A dex crew runs in an agent process,
+    run again after a person decided, with nobody at its console: every run on a fresh
+    machine, container or CI job stopped 20 s there. Tracing itself is left as configured
+    (``Crew(tracing=...)``, ``CREWAI_TRACING_ENABLED``); nothing is written to CrewAI's user
+    file, so its own CLI still asks where it is used by hand.
+    """
+    TraceCollectionListener().first_time_handler.is_first_time = False
 
 
 class DexCrewTool(BaseTool):
@@ -274,7 +298,9 @@ class DexCrewLLM(BaseLLM):
     turn ended gives its answer again. A final answer given while a call of the task awaits
     a person's approval is not journaled: the turn stays open, so the crew run again once the
     person decided asks the model again with the call's outcome. While an earlier task's turn
-    is open, a later task's steps are not journaled.
+    is open, a later task waits: its input (the task's description) is queued, the model is
+    not asked, and its answer begins with :data:`WAITING_TASK`; the crew run again once that
+    turn ended runs it, journaled, its turn begun from the queued input.
     """
 
     _inner: BaseLLM
@@ -284,6 +310,7 @@ class DexCrewLLM(BaseLLM):
         super().__init__(model=getattr(llm, "model", None) or "dex-journaled",
                          temperature=getattr(llm, "temperature", None))
         self.client, self.session_id = client, session_id
+        _no_trace_prompt()
 
     @property  # type: ignore[override]
     def stop(self) -> list[str]:
@@ -320,12 +347,15 @@ class DexCrewLLM(BaseLLM):
         step = int(getattr(executor, "iterations", 0) or 0)
         session_id, turn_id, _ = dex_ids(self.session_id, from_task, from_agent,
                                          getattr(from_agent, "crew", None), step, "-")
-        other = self.client.open_turn(session_id)
-        if other is not None and other.turn_id != turn_id:
-            # An earlier task's turn is open (a call of it awaits approval): this task's
-            # steps are not journaled (beginning its turn would queue its prompt instead).
-            return ask()
-        turn = self.client.begin_turn(session_id, prompt, turn_id=turn_id)
+        turn = self._begin(session_id, turn_id, from_task, prompt)
+        if turn.queued_input:
+            # An earlier task's turn is open (a call of it awaits a person): this task waits
+            # behind it, its input queued as a message sent during a turn is, and the model
+            # is not asked. The crew run again once that turn ended runs it, journaled.
+            return ("Thought: this task must wait for an earlier one\nFinal Answer: "
+                    f"{WAITING_TASK} turn {turn.turn_id!r} of this session ({turn.input!r}) "
+                    "is still open, a call of it awaiting a person; this task is queued "
+                    "behind it and runs when the crew is run again after it ended")
         if not turn.open:
             return f"Thought: I already answered\nFinal Answer: {turn.answer}"
         if step < len(turn.steps):
@@ -346,6 +376,18 @@ class DexCrewLLM(BaseLLM):
             self.client.record_step(session_id, turn_id, step, json.dumps({"text": answer}),
                                     [], text=answer)
         return answer
+
+    def _begin(self, session_id: str, turn_id: str, task: Any, prompt: str) -> Turn:
+        """Begin (or continue) the task's turn. Its input is the task's description: its
+        prompt also carries the earlier tasks' outputs, which change once an earlier turn it
+        waited behind has ended, and the queued input must be known again when the crew is
+        run again (:meth:`DexClient.begin_turn` begins the turn from it)."""
+        text = str(getattr(task, "description", "") or "").strip() or prompt
+        try:
+            return self.client.begin_turn(session_id, text, turn_id=turn_id)
+        except TurnConflictError:
+            # A turn begun by an earlier release, whose input was the task's whole prompt.
+            return self.client.begin_turn(session_id, prompt, turn_id=turn_id)
 
     def _awaiting(self, session_id: str, turn_id: str) -> bool:
         snapshot = self.client.get_agent_snapshot(session_id)

@@ -38,6 +38,9 @@ How it works:
   approval. (ADK 2.13 asks no second confirmation for a tool it re-ran, so such a run cannot
   be resumed through ADK again: the call stays held in dex-tasks, and a new request of the
   model is a new call.)
+* :class:`DexAdkPlugin` (``App(..., plugins=[DexAdkPlugin(client)])``) holds a new message
+  sent while a call of the session is open: queued in dex-tasks, kept from the model, the run
+  ended before the model is asked; sent again once the turn ended, it is answered.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ from typing import Any
 from dex_tasks.integrations.extras import needs_extra
 
 with needs_extra("google-adk", "dex_tasks.integrations.google_adk"):
+    from google.adk.agents.invocation_context import InvocationContext
+    from google.adk.plugins.base_plugin import BasePlugin
     from google.adk.sessions import Session
     from google.adk.tools.base_tool import BaseTool
     from google.adk.tools.tool_context import ToolContext
@@ -67,7 +72,8 @@ from dex_tasks import (
     idempotency_key,
 )
 
-__all__ = ["DEFAULT_TIMEOUT", "DexAdkTool", "dex_adk_tools", "dex_confirmations", "dex_key"]
+__all__ = ["DEFAULT_TIMEOUT", "DexAdkPlugin", "DexAdkTool", "dex_adk_tools", "dex_confirmations",
+           "dex_key"]
 
 DEFAULT_TIMEOUT = 120.0
 """Seconds a tool call waits for its dex call to end before it tells the model it still runs."""
@@ -153,27 +159,90 @@ async def dex_confirmations(client: DexClient | AsyncDexClient,
     never started twice.
     """
     dex = _async_client(client)
+    parts: list[types.Part] = []
+    for call in _unanswered_confirmations(session):
+        original = (call.args or {}).get("originalFunctionCall") or {}
+        key = idempotency_key(*dex_ids(session, str(original.get("id") or "")))
+        try:
+            record = await dex.get_tool_call(key)
+        except CallNotFoundError:
+            continue  # not a dex tool's confirmation: the caller answers it
+        if record.status is CallStatus.AWAITING_APPROVAL:
+            continue
+        confirmed = record.status is not CallStatus.REJECTED
+        parts.append(types.Part(function_response=types.FunctionResponse(
+            name=CONFIRMATION_CALL, id=call.id,
+            response={"confirmed": confirmed, "payload": {"dex_key": key}},
+        )))
+    return types.Content(role="user", parts=parts) if parts else None
+
+
+class DexAdkPlugin(BasePlugin):
+    """Holds a new message sent while the session's turn is open: ``Runner(...,
+    plugins=[DexAdkPlugin(client)])`` (or the ``App``'s plugins).
+
+    A turn is open while a dex call of the session has not ended or a tool's confirmation
+    request is unanswered (a call waits for a person). ADK itself would run a
+    new message at once: the model would answer it in the middle of that turn, and the call
+    a person approves later would finish with the conversation elsewhere. DESIGN's rule (the
+    seeds' one) is that such a message is queued and delivered when the turn ends, so:
+
+    * the message is stored in the dex session as a queued user message (its snapshot
+      shows it ``queued``; delivered when the open calls end);
+    * ADK has already added it to its session before any plugin runs: its text is kept
+      there as a ``thought`` part, which ADK never sends to the model;
+    * the run ends at once, with one event (a ``thought`` part too) that says the message
+      is queued: the model is not asked.
+
+    Once the turn has ended (the confirmation answered by :func:`dex_confirmations` and the
+    model's answer given), send the message again: the model reads it then, after that
+    answer. A confirmation answer is never held.
+    """
+
+    def __init__(self, client: DexClient | AsyncDexClient, *, name: str = "dex_tasks") -> None:
+        super().__init__(name=name)
+        self.client = _async_client(client)
+        self._held: set[str] = set()  # invocations whose new message was held
+
+    async def on_user_message_callback(self, *, invocation_context: InvocationContext,
+                                       user_message: types.Content) -> types.Content | None:
+        """Hold the message (see the class docstring) when the session's turn is open."""
+        parts = user_message.parts or []
+        if not parts or any(p.function_response is not None for p in parts):
+            return None  # a confirmation (or another tool) answered: the turn goes on
+        session = invocation_context.session
+        if not await self._turn_open(session):
+            return None
+        text = "".join(p.text or "" for p in parts)
+        await self.client.send_user_message(_escape(session.id), text)
+        self._held.add(invocation_context.invocation_id)
+        return types.Content(role=user_message.role or "user", parts=[
+            types.Part(text=p.text, thought=True) if p.text else p for p in parts])
+
+    async def before_run_callback(self, *, invocation_context: InvocationContext
+                                  ) -> types.Content | None:
+        """End a run whose message was held, before the model is asked."""
+        if invocation_context.invocation_id not in self._held:
+            return None
+        self._held.discard(invocation_context.invocation_id)
+        return types.Content(role="model", parts=[types.Part(thought=True, text=(
+            "dex-tasks: this message is queued behind the session's open turn (a call waits "
+            "for a person); the model was not asked. Send it again once that turn ended."))])
+
+    async def _turn_open(self, session: Session) -> bool:
+        snapshot = await self.client.get_agent_snapshot(_escape(session.id))
+        if any(not call.terminal for call in snapshot.tool_calls):
+            return True
+        return bool(_unanswered_confirmations(session))
+
+
+def _unanswered_confirmations(session: Session) -> list[types.FunctionCall]:
+    """The session's confirmation requests nobody has answered yet."""
     answered = {response.id for event in session.events
                 for response in event.get_function_responses() if response.id}
-    parts: list[types.Part] = []
-    for event in session.events:
-        for call in event.get_function_calls():
-            if call.name != CONFIRMATION_CALL or call.id is None or call.id in answered:
-                continue
-            original = (call.args or {}).get("originalFunctionCall") or {}
-            key = idempotency_key(*dex_ids(session, str(original.get("id") or "")))
-            try:
-                record = await dex.get_tool_call(key)
-            except CallNotFoundError:
-                continue  # not a dex tool's confirmation: the caller answers it
-            if record.status is CallStatus.AWAITING_APPROVAL:
-                continue
-            confirmed = record.status is not CallStatus.REJECTED
-            parts.append(types.Part(function_response=types.FunctionResponse(
-                name=CONFIRMATION_CALL, id=call.id,
-                response={"confirmed": confirmed, "payload": {"dex_key": key}},
-            )))
-    return types.Content(role="user", parts=parts) if parts else None
+    return [call for event in session.events for call in event.get_function_calls()
+            if call.name == CONFIRMATION_CALL and call.id is not None
+            and call.id not in answered]
 
 
 def dex_ids(session: Session, function_call_id: str) -> tuple[str, str, str]:

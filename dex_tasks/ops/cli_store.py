@@ -98,8 +98,11 @@ def prune(
     """Delete finished calls older than --older-than, with their events, interrupts and
     transcript messages, in short transactions (workers keep running).
 
+    Also ended turns, and the LangGraph checkpoints of threads whose session has nothing open
+    (an idle thread whole; a thread in use down to its latest checkpoints).
+
     Kept: outcome_unknown calls no user message has reported yet, calls whose turn is still
-    open, and the messages of sessions with a call still open.
+    open, and the messages of sessions with a call or a turn still open.
     """
     from dex_tasks.store.prune import parse_age
     from dex_tasks.store.prune import prune as run_prune
@@ -117,8 +120,10 @@ def prune(
         f"deleted {result.calls} calls finished before "
         f"{datetime.fromtimestamp(result.cutoff, tz=UTC):%Y-%m-%d %H:%M:%S} UTC "
         f"({result.events} events, {result.interrupts} interrupts, {result.tool_messages} tool "
-        f"messages) and {result.messages} user and assistant messages, in {result.batches} "
-        f"transactions (the longest {result.longest_batch_seconds * 1000:.0f} ms)")
+        f"messages), {result.messages} user and assistant messages, {result.turns} ended "
+        f"turns and {result.checkpoints} LangGraph checkpoints ({result.checkpoint_writes} "
+        f"writes), in {result.batches} transactions (the longest "
+        f"{result.longest_batch_seconds * 1000:.0f} ms)")
     if result.kept_unreported or result.kept_open_turn:
         typer.echo(f"kept {result.kept_unreported} outcome_unknown calls not yet reported and "
                    f"{result.kept_open_turn} calls of turns still open")

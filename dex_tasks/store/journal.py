@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import bindparam, insert, or_, select, update
 from sqlalchemy.engine import Connection
 
 from dex_tasks.errors import InvalidArgumentError, TurnConflictError
@@ -139,10 +139,13 @@ def begin_turn(conn: Connection, session_id: str, input_text: str, turn_id: str,
     * the session has an open turn with this input (or this turn id with this input): that
       turn, ``resumed`` (its steps included): the agent process restarted;
     * an open turn with another input: the input is queued as a user message (once: a queued
-      message of the same text is not stored again) for after that turn, which is returned
-      with ``queued_input``;
+      message of the same text, or one delivered that no turn has begun with yet, is not
+      stored again) for after that turn, which is returned with ``queued_input``;
     * ``turn_id`` names a turn that ended: that turn (its ``answer`` included);
-    * otherwise a new open turn, and the input as the user message that began it.
+    * otherwise a new open turn. Its input is the user message that begins it: the message
+      that waited for an earlier turn with this text (queued, then delivered when that turn
+      ended), if one has begun no turn yet, so that running the same code again with the
+      input that was queued answers that message instead of storing it twice; else a new one.
     """
     lock_session_messages(conn, session_id)
     current = open_turn(conn, session_id)
@@ -152,10 +155,7 @@ def begin_turn(conn: Connection, session_id: str, input_text: str, turn_id: str,
                                     f"the turn began with {current.input!r}")
         if current.input == input_text or current.turn_id == turn_id:
             return current.model_copy(update={"resumed": True})
-        waiting = conn.execute(select(MESSAGES.c.id).where(
-            MESSAGES.c.session_id == session_id, MESSAGES.c.role == MessageRole.USER.value,
-            MESSAGES.c.status == "queued", MESSAGES.c.text == input_text).limit(1)).first()
-        if waiting is None:
+        if _waiting_input(conn, session_id, input_text, delivered=False) is None:
             add_user_message(conn, session_id, input_text, now)
         return current.model_copy(update={"queued_input": True})
     ended = get_turn(conn, session_id, turn_id)
@@ -167,12 +167,31 @@ def begin_turn(conn: Connection, session_id: str, input_text: str, turn_id: str,
     conn.execute(insert(TURNS), {"session_id": session_id, "turn_id": turn_id,
                                  "input": input_text, "status": OPEN, "created_at": now,
                                  "ended_at": None})
-    conn.execute(_INSERT_MESSAGE, {"session_id": session_id, "role": MessageRole.USER.value,
-                                   "text": input_text, "turn_id": turn_id,
-                                   "status": "delivered", "created_at": now,
-                                   "delivered_at": now})
+    waited = _waiting_input(conn, session_id, input_text, delivered=True)
+    if waited is not None:
+        conn.execute(update(MESSAGES).where(MESSAGES.c.id == waited)
+                     .values(turn_id=turn_id))
+    else:
+        conn.execute(_INSERT_MESSAGE, {"session_id": session_id,
+                                       "role": MessageRole.USER.value, "text": input_text,
+                                       "turn_id": turn_id, "status": "delivered",
+                                       "created_at": now, "delivered_at": now})
     return Turn(session_id=session_id, turn_id=turn_id, input=input_text, status=OPEN,
                 created_at=_dt(now))
+
+
+def _waiting_input(conn: Connection, session_id: str, text: str, *,
+                   delivered: bool) -> int | None:
+    """The oldest user message of this text that waited for a turn to end and has begun no
+    turn: one delivered (``follows`` says it waited), or with ``delivered=False`` one still
+    queued as well. Its id, or None."""
+    waited = MESSAGES.c.follows.is_not(None)
+    found = conn.execute(select(MESSAGES.c.id).where(
+        MESSAGES.c.session_id == session_id, MESSAGES.c.role == MessageRole.USER.value,
+        MESSAGES.c.text == text, MESSAGES.c.turn_id.is_(None),
+        waited if delivered else or_(waited, MESSAGES.c.status == "queued"),
+    ).order_by(MESSAGES.c.id).limit(1)).first()
+    return None if found is None else int(found.id)
 
 
 def _ensure_open(conn: Connection, session_id: str, turn_id: str, now: float) -> None:

@@ -247,6 +247,8 @@ class TurnRow(SQLModel, table=True):
     __table_args__ = (
         # The open turn of a session, and delivery's "is a turn open here?": one index range.
         Index("ix_dex_turns_status_session", "status", "session_id"),
+        # Prune's ended turns, oldest first: a range of it, O(old turns) (migration 0009).
+        Index("ix_dex_turns_status_ended", "status", "ended_at"),
     )
 
     session_id: str = Field(primary_key=True, max_length=SESSION_ID_MAX)
@@ -275,6 +277,10 @@ class CheckpointRow(SQLModel, table=True):
     serialised by LangGraph's own serializer (``type`` names its format)."""
 
     __tablename__ = "dex_checkpoints"
+    # Prune's old checkpoints, a page at a time in this order: a range of it, O(old
+    # checkpoints) (migration 0009).
+    __table_args__ = (Index("ix_dex_checkpoints_created", "created_at", "thread_id",
+                            "checkpoint_ns", "checkpoint_id"),)
 
     thread_id: str = Field(sa_column=Column(Text, primary_key=True))
     checkpoint_ns: str = Field(sa_column=Column(Text, primary_key=True))

@@ -12,18 +12,30 @@
   - a call whose turn still has a call that is not terminal: a queued user message waits for
     every turn begun before it, and the turn's first call is what says when it began
     (``store.deliver_ready_messages``);
+  - a call of a durable turn that is still open (``dex_turns``): with its step it is the
+    journal a restarted agent replays, so that the model is not asked again for a decision it
+    made (asked again, a real model mints new call ids, and a write runs a second time under
+    a new key);
 
 * every user and assistant message created before the cutoff, unless its session has a call
-  that is not terminal (a session waiting for a call, an approval that may outlast any
-  retention period, keeps its whole conversation, which the model reads when the turn goes on),
-  it is still ``queued``, or it names an ``outcome_unknown`` call still in the store (deleting
-  that report would make the call look unreported again).
+  that is not terminal or a durable turn still open (a session waiting for a call, an approval
+  that may outlast any retention period, or an agent to be restarted, keeps its whole
+  conversation: the model reads it, and an open turn's steps are its journal, when the turn
+  goes on), it is still ``queued``, or it names an ``outcome_unknown`` call still in the store
+  (deleting that report would make the call look unreported again);
+* every durable turn that ended before the cutoff and has no call left in the store;
+* the LangGraph checkpoints (``DexCheckpointer``) of every thread whose session has nothing
+  open (no call that is not terminal, no open turn): the whole thread, with its pending writes,
+  when its newest checkpoint is older than the cutoff; otherwise its checkpoints older than the
+  cutoff but the newest of each namespace and the ancestors that one's ``DeltaChannel``
+  values are rebuilt from (LangGraph's ``keep_latest``).
 
 Each batch is its own short transaction: the candidates are read first, without locks, then one
 write transaction re-checks the conditions inside its DELETE statements and deletes at most
-``batch`` calls (with their rows) or messages. Terminal calls never change again, so no worker
-ever waits for a row being deleted; on SQLite a batch holds the database's write lock for a
-few milliseconds, which a worker's transaction waits out (``busy_timeout``) rather than fails.
+``batch`` calls (with their rows), messages, turns or threads' checkpoints. Terminal calls
+never change again, so no worker ever waits for a row being deleted; on SQLite a batch holds
+the database's write lock for a few milliseconds, which a worker's transaction waits out
+(``busy_timeout``) rather than fails.
 """
 
 from __future__ import annotations
@@ -41,10 +53,19 @@ from sqlalchemy import Select, delete, exists, or_, select, tuple_
 from sqlalchemy.engine import Connection
 
 from dex_tasks.errors import InvalidArgumentError
+from dex_tasks.limits import key_part
 from dex_tasks.policy import EffectClass
 from dex_tasks.states import TERMINAL, CallStatus, MessageRole
 from dex_tasks.store import APPROVALS, CALLS, EVENTS, INTERRUPTS, MESSAGES, WEBHOOKS, Store
-from dex_tasks.store.tables import INSERT_EVENT, PRUNED_EVENT, PRUNED_SESSION
+from dex_tasks.store.checkpoints import (
+    CHECKPOINTS,
+    delete_checkpoints,
+    keep_latest,
+    row_ids,
+    thread_rows,
+)
+from dex_tasks.store.journal import ENDED, OPEN
+from dex_tasks.store.tables import INSERT_EVENT, PRUNED_EVENT, PRUNED_SESSION, TURNS
 from dex_tasks.store.transcript import QUEUED, named_keys, names_key
 
 log = logging.getLogger("dex_tasks.store.prune")
@@ -85,7 +106,14 @@ class PruneResult:
     kept_unreported: int = 0
     """``outcome_unknown`` calls kept because no user message names them yet."""
     kept_open_turn: int = 0
-    """Terminal calls kept because their turn has a call that is not terminal."""
+    """Terminal calls kept because their turn is open (a durable turn not ended, or a call of
+    the turn not terminal)."""
+    turns: int = 0
+    """Durable turns that had ended."""
+    checkpoints: int = 0
+    """LangGraph checkpoints (``DexCheckpointer``)."""
+    checkpoint_writes: int = 0
+    """Their pending writes."""
     batches: int = 0
     """Write transactions run."""
     longest_batch_seconds: float = 0.0
@@ -111,23 +139,30 @@ def prune(store: Store, older_than: float, *, batch: int = DEFAULT_BATCH,
     for status in _TERMINAL:
         _prune_calls(store, status, batch, result, on_pruned)
     _prune_messages(store, batch, result)
+    _prune_turns(store, batch, result)
+    _prune_checkpoints(store, batch, result)
     log.info("pruned", extra={"action": "prune", "cutoff": result.cutoff,
                               "calls": result.calls, "events": result.events,
                               "interrupts": result.interrupts,
                               "tool_messages": result.tool_messages,
                               "messages": result.messages, "batches": result.batches,
                               "kept_unreported": result.kept_unreported,
-                              "kept_open_turn": result.kept_open_turn})
+                              "kept_open_turn": result.kept_open_turn,
+                              "turns": result.turns, "checkpoints": result.checkpoints,
+                              "checkpoint_writes": result.checkpoint_writes})
     return result
 
 
 # -- calls ----------------------------------------------------------------------------------------
 
 _TURN = CALLS.alias("turn")
-# Correlated to the call being deleted: another call of its turn that has not ended.
-_TURN_OPEN = exists().where(
-    _TURN.c.session_id == CALLS.c.session_id, _TURN.c.turn_id == CALLS.c.turn_id,
-    _TURN.c.status.in_(_OPEN),
+# Correlated to the call being deleted: another call of its turn that has not ended, or its
+# durable turn, not ended either.
+_TURN_OPEN = or_(
+    exists().where(_TURN.c.session_id == CALLS.c.session_id,
+                   _TURN.c.turn_id == CALLS.c.turn_id, _TURN.c.status.in_(_OPEN)),
+    exists().where(TURNS.c.session_id == CALLS.c.session_id, TURNS.c.turn_id == CALLS.c.turn_id,
+                   TURNS.c.status == OPEN),
 )
 
 
@@ -209,8 +244,10 @@ def _delete_calls(conn: Connection, keys: Sequence[str], result: PruneResult) ->
 
 # -- user and assistant messages ------------------------------------------------------------------
 
-_SESSION_OPEN = exists().where(CALLS.c.session_id == MESSAGES.c.session_id,
-                               CALLS.c.status.in_(_OPEN))
+_SESSION_OPEN = or_(
+    exists().where(CALLS.c.session_id == MESSAGES.c.session_id, CALLS.c.status.in_(_OPEN)),
+    exists().where(TURNS.c.session_id == MESSAGES.c.session_id, TURNS.c.status == OPEN),
+)
 
 
 def _prune_messages(store: Store, batch: int, result: PruneResult) -> None:
@@ -245,6 +282,104 @@ def _prune_messages(store: Store, batch: int, result: PruneResult) -> None:
                         ~_SESSION_OPEN)))
         if len(rows) < batch:
             return
+
+
+# -- durable turns --------------------------------------------------------------------------------
+
+
+def turn_candidates(cutoff: float, after: tuple[float, str, str] | None,
+                    batch: int) -> Select[Any]:
+    """The next page of turns that ended before ``cutoff``, oldest first, after the
+    ``(ended_at, session, turn)`` of the previous page: a range of ``(status, ended_at)``."""
+    keys = tuple_(TURNS.c.ended_at, TURNS.c.session_id, TURNS.c.turn_id)
+    page = select(TURNS.c.ended_at, TURNS.c.session_id, TURNS.c.turn_id).where(
+        TURNS.c.status == ENDED, TURNS.c.ended_at < cutoff)
+    if after is not None:
+        page = page.where(keys > tuple_(*after))
+    return page.order_by(*keys.clauses).limit(batch)
+
+
+_CHECKPOINT_ORDER = tuple_(CHECKPOINTS.c.created_at, CHECKPOINTS.c.thread_id,
+                           CHECKPOINTS.c.checkpoint_ns, CHECKPOINTS.c.checkpoint_id)
+
+
+def checkpoint_candidates(cutoff: float, after: tuple[float, str, str, str] | None,
+                          batch: int) -> Select[Any]:
+    """The next page of LangGraph checkpoints older than ``cutoff``, oldest first, after the
+    ``(created_at, thread, namespace, id)`` of the previous page: a range of the
+    ``ix_dex_checkpoints_created`` index, in its order."""
+    page = select(*_CHECKPOINT_ORDER.clauses).where(CHECKPOINTS.c.created_at < cutoff)
+    if after is not None:
+        page = page.where(_CHECKPOINT_ORDER > tuple_(*after))
+    return page.order_by(*_CHECKPOINT_ORDER.clauses).limit(batch)
+
+
+def _prune_turns(store: Store, batch: int, result: PruneResult) -> None:
+    """Ended turns, oldest first (:func:`turn_candidates`), each once none of its calls is
+    left (calls go first: a kept one, an unreported unknown outcome, keeps its turn)."""
+    after: tuple[float, str, str] | None = None
+    while True:
+        with store.read() as conn:
+            rows = conn.execute(turn_candidates(result.cutoff, after, batch)).all()
+        if not rows:
+            return
+        after = tuple(rows[-1])  # type: ignore[assignment]
+        with _batch(store, result) as conn:
+            result.turns += _count(conn.execute(delete(TURNS).where(
+                tuple_(TURNS.c.session_id, TURNS.c.turn_id).in_(
+                    [(r.session_id, r.turn_id) for r in rows]),
+                TURNS.c.status == ENDED, TURNS.c.ended_at < result.cutoff,
+                ~exists().where(CALLS.c.session_id == TURNS.c.session_id,
+                                CALLS.c.turn_id == TURNS.c.turn_id))))
+        if len(rows) < batch:
+            return
+
+
+# -- LangGraph checkpoints ----------------------------------------------------------------------
+
+
+def _prune_checkpoints(store: Store, batch: int, result: PruneResult) -> None:
+    """The threads of each page of old checkpoints (:func:`checkpoint_candidates`), one
+    transaction per page: each thread whole when it is idle, else trimmed to what
+    ``keep_latest`` keeps; never a thread whose dex session (``key_part`` of the thread id,
+    as ``DexMiddleware`` names it) has a call or a durable turn open."""
+    after: tuple[float, str, str, str] | None = None
+    while True:
+        with store.read() as conn:
+            page = conn.execute(checkpoint_candidates(result.cutoff, after, batch)).all()
+        if not page:
+            return
+        after = tuple(page[-1])  # type: ignore[assignment]
+        threads = sorted({row.thread_id for row in page})
+        with _batch(store, result) as conn:
+            idle = _idle_threads(conn, threads)
+            doomed = []
+            rows_of: dict[str, list[Any]] = defaultdict(list)
+            for row in thread_rows(conn, idle) if idle else []:
+                rows_of[row.thread_id].append(row)
+            for rows in rows_of.values():
+                if max(row.created_at for row in rows) < result.cutoff:
+                    doomed += [row_ids(row) for row in rows]
+                else:
+                    kept = keep_latest(rows)
+                    doomed += [row_ids(row) for row in rows
+                               if row.created_at < result.cutoff and row_ids(row) not in kept]
+            checkpoints, writes = delete_checkpoints(conn, doomed)
+            result.checkpoints += checkpoints
+            result.checkpoint_writes += writes
+        if len(page) < batch:
+            return
+
+
+def _idle_threads(conn: Connection, threads: Sequence[str]) -> list[str]:
+    """The threads whose dex session has no call that is not terminal and no open turn."""
+    session_of = {thread: key_part(thread) for thread in threads}
+    sessions = set(session_of.values())
+    busy = set(conn.execute(select(CALLS.c.session_id).where(
+        CALLS.c.session_id.in_(sessions), CALLS.c.status.in_(_OPEN))).scalars())
+    busy |= set(conn.execute(select(TURNS.c.session_id).where(
+        TURNS.c.session_id.in_(sessions), TURNS.c.status == OPEN)).scalars())
+    return [thread for thread in threads if session_of[thread] not in busy]
 
 
 # -- helpers --------------------------------------------------------------------------------------

@@ -34,6 +34,10 @@ counts, so a forged or stale resume value approves nothing (the graph pauses aga
 call is undecided). A rejection reaches the model as the tool's result, carrying the person's
 message.
 
+A new input while the thread's turn is open (a call awaits a person) is held until the turn
+ends, as DESIGN says: queued in the dex session, kept out of what the model reads, the open
+turn going on (see ``dex_tasks.integrations.langchain.queue``).
+
 A tool node that has waited ``wait_timeout`` seconds raises ``TimeoutError``; invoking the
 graph again (``agent.invoke(None, config)``) re-runs the node, which waits for the same call.
 Pass ``durability="sync"`` to ``invoke`` where a crash must never re-run the model: with
@@ -57,6 +61,7 @@ from dex_tasks.integrations.langchain.calls import DEFAULT_WAIT_TIMEOUT, DEX_APP
 from dex_tasks.integrations.langchain.calls import tool_message as _tool_message  # noqa: F401 - its name before the split
 from dex_tasks.integrations.langchain.checkpointer import DexCheckpointer
 from dex_tasks.integrations.langchain.middleware import DexMiddleware
+from dex_tasks.integrations.langchain.serde import StrictSerializer, UnsafeCheckpointError
 from dex_tasks.integrations.langchain.tools import dex_tools
 
 __all__ = [
@@ -64,6 +69,8 @@ __all__ = [
     "DEX_APPROVAL",
     "DexCheckpointer",
     "DexMiddleware",
+    "StrictSerializer",
+    "UnsafeCheckpointError",
     "apply_decisions",
     "dex_tools",
     "key_part",

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import random
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Collection, Iterable, Iterator, Sequence
 from typing import Any, cast
 
 from langchain_core.runnables import RunnableConfig
@@ -21,23 +22,50 @@ from langgraph.checkpoint.base import (
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from dex_tasks import AsyncDexClient, DexClient, InvalidArgumentError
+from dex_tasks.integrations.langchain.serde import StrictSerializer
 
 
 class DexCheckpointer(BaseCheckpointSaver[str]):
     """LangGraph's checkpointer on the dex store (SQLite or PostgreSQL), so that an agent
     needs no second database: ``create_agent(..., checkpointer=DexCheckpointer(client))``.
 
-    Checkpoints and pending writes are serialised by LangGraph's serializer (``serde``, its
-    default unless given) into ``dex_checkpoints`` and ``dex_checkpoint_writes``; every write
-    is retried across a lost connection like the store's own. The async methods run the same
-    code in a thread. Any process with a client on the same store resumes the thread.
+    Checkpoints and pending writes are serialised in LangGraph's msgpack form into
+    ``dex_checkpoints`` and ``dex_checkpoint_writes``; every write is retried across a lost
+    connection like the store's own. The async methods run the same code in a thread. Any
+    process with a client on the same store resumes the thread.
+
+    Loading a checkpoint never imports or calls a name the stored data chooses beyond
+    LangGraph's safe types (messages, ``Send``, ``Interrupt``, ``Command``, dates, ...) and the
+    types your graph's state holds, which you declare in ``allowed_types`` (classes, or
+    ``(module, name)`` pairs): anything else is refused whole with
+    :class:`~dex_tasks.integrations.langchain.UnsafeCheckpointError` (a value of an undeclared
+    type is refused when it is stored, naming it). With ``LANGGRAPH_STRICT_MSGPACK=true``
+    LangGraph also adds the types its state schema declares (``with_allowlist``). A ``serde``
+    given is used as given, with whatever it allows.
     """
 
     def __init__(self, client: DexClient | AsyncDexClient, *,
+                 allowed_types: Iterable[type | tuple[str, ...]] = (),
                  serde: SerializerProtocol | None = None) -> None:
-        super().__init__(serde=serde)
+        if serde is not None and allowed_types:
+            raise InvalidArgumentError("give allowed_types or your own serde, not both: "
+                                       "allowed_types configures DexCheckpointer's serializer")
+        super().__init__(serde=serde or StrictSerializer(allowed_types))
         sync = _sync_client(client)
         self._store = sync.checkpoints
+
+    def with_allowlist(self, extra_allowlist: Collection[tuple[str, ...]]
+                       ) -> DexCheckpointer:
+        """This checkpointer allowing the types LangGraph derived from the graph's state schema
+        as well (LangGraph calls it when ``LANGGRAPH_STRICT_MSGPACK`` is on)."""
+        if not isinstance(self.serde, StrictSerializer):
+            return cast(DexCheckpointer, super().with_allowlist(extra_allowlist))
+        serde = self.serde.with_types(extra_allowlist)
+        if serde is self.serde:
+            return self
+        clone = copy.copy(self)
+        clone.serde = serde
+        return clone
 
     # -- sync ---------------------------------------------------------------------------------
 
@@ -89,6 +117,21 @@ class DexCheckpointer(BaseCheckpointSaver[str]):
         """Delete every checkpoint and write of a thread."""
         self._store.delete_thread(str(thread_id))
 
+    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """Of each thread, keep the newest checkpoint of each namespace (``"keep_latest"``,
+        with the ancestors its ``DeltaChannel`` values are rebuilt from), or delete them all
+        (``"delete"``); their writes go with them."""
+        self._store.prune(thread_ids, strategy)
+
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Copy every checkpoint and write of a thread, every namespace, to another thread
+        (a fork: the copy goes on independently)."""
+        self._store.copy_thread(source_thread_id, target_thread_id)
+
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """Delete every checkpoint (and its writes) made by these runs (metadata ``run_id``)."""
+        self._store.delete_for_runs(run_ids)
+
     def get_next_version(self, current: str | None, channel: None) -> str:
         """LangGraph's string versions (as its SQLite and in-memory savers make them)."""
         if current is None:
@@ -128,6 +171,18 @@ class DexCheckpointer(BaseCheckpointSaver[str]):
     async def adelete_thread(self, thread_id: str) -> None:
         """:meth:`delete_thread` in a thread."""
         await asyncio.to_thread(self.delete_thread, thread_id)
+
+    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """:meth:`prune` in a thread."""
+        await asyncio.to_thread(self.prune, thread_ids, strategy=strategy)
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """:meth:`copy_thread` in a thread."""
+        await asyncio.to_thread(self.copy_thread, source_thread_id, target_thread_id)
+
+    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """:meth:`delete_for_runs` in a thread."""
+        await asyncio.to_thread(self.delete_for_runs, run_ids)
 
     def _tuple(self, stored: Any) -> CheckpointTuple:
         # ``stored``: a dex_tasks.store.checkpoints.StoredCheckpoint

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from langchain.agents.middleware import AgentMiddleware, AgentState, ToolCallRequest
+from langchain.agents.middleware import AgentMiddleware, ToolCallRequest, hook_config
 from langchain_core.callbacks.manager import AsyncCallbackManager, CallbackManager
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool
@@ -18,9 +19,10 @@ from dex_tasks.integrations.langchain.calls import (
     Runner,
     unknown_tool_message,
 )
+from dex_tasks.integrations.langchain.queue import QueueState, deliver_held, hold_new_input
 
 
-class DexMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
+class DexMiddleware(AgentMiddleware[QueueState, Any, Any]):
     """Runs every tool call of a ``langchain.agents.create_agent`` agent through dex-tasks.
 
     ``create_agent(model, tools, middleware=[DexMiddleware(client)], checkpointer=...)``: each
@@ -41,7 +43,15 @@ class DexMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
     Each dex call is reported to LangChain's callbacks as a tool run (``on_tool_start`` /
     ``on_tool_end``, so ``astream_events`` shows it), and one model response's parallel
     calls are recorded in one transaction and sent with one publish (``call_tools``).
+
+    A new input given while the thread's turn is open (``agent.invoke({"messages": [...]},
+    config)`` while a call awaits a person, say) is held until the turn ends (see
+    ``dex_tasks.integrations.langchain.queue``): stored in the dex session as a queued user
+    message, kept out of what the model reads, and added after the model's answer without
+    tools; meanwhile the open turn goes on, its pending approval pausing the graph again.
     """
+
+    state_schema = QueueState
 
     def __init__(
         self,
@@ -53,6 +63,26 @@ class DexMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
     ) -> None:
         super().__init__()
         self._runner = Runner(client, wait_timeout, default_effect, local_tools)
+
+    @hook_config(can_jump_to=["tools"])
+    def before_agent(self, state: QueueState, runtime: Any) -> dict[str, Any] | None:
+        """Hold a new input given while the thread's turn is open, and go on with that turn."""
+        return hold_new_input(self._runner.sync, state)
+
+    @hook_config(can_jump_to=["tools"])
+    async def abefore_agent(self, state: QueueState, runtime: Any) -> dict[str, Any] | None:
+        """:meth:`before_agent` (the store's reads and writes in a thread)."""
+        return await asyncio.to_thread(hold_new_input, self._runner.sync, state)
+
+    @hook_config(can_jump_to=["model"])
+    def after_model(self, state: QueueState, runtime: Any) -> dict[str, Any] | None:
+        """The turn has ended (an answer without tools): the held inputs follow it."""
+        return deliver_held(state)
+
+    @hook_config(can_jump_to=["model"])
+    async def aafter_model(self, state: QueueState, runtime: Any) -> dict[str, Any] | None:
+        """:meth:`after_model`."""
+        return deliver_held(state)
 
     def wrap_tool_call(
         self,

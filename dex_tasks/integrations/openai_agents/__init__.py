@@ -39,6 +39,10 @@ How it works:
   (``resolve_interrupt``, the approval page, ``dex-tasks approvals``); once decided it approves
   or rejects the SDK's item: approved calls run on a worker (once, whoever resumes, however
   often), a rejection reaches the model as the tool's result with the person's message.
+* Another input while the session's durable turn is open (under :func:`dex_run_config`):
+  ``Runner.run`` raises :class:`TurnInProgressError` and the input waits, queued in the
+  session; the model is not asked. Run it again once the turn ended: its turn begins from the
+  queued message.
 * Edits: the SDK has no edit decision of its own (``RunState.approve`` takes no arguments).
   A person edits in dex-tasks, ``resolve_interrupt(..., arguments=...)`` (the page's edit box,
   ``dex-tasks approvals approve --arguments``); :func:`apply_dex_decisions` then approves the
@@ -62,7 +66,7 @@ with needs_extra("openai-agents", "dex_tasks.integrations.openai_agents"):
 
 from dex_tasks.integrations.openai_agents.approvals import apply_dex_decisions
 from dex_tasks.integrations.openai_agents.context import dex_context
-from dex_tasks.integrations.openai_agents.journal import dex_run_config
+from dex_tasks.integrations.openai_agents.journal import TurnInProgressError, dex_run_config
 from dex_tasks.integrations.openai_agents.tools import (
     DEFAULT_TIMEOUT,
     ApprovalPendingError,
@@ -74,6 +78,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "ApprovalPendingError",
     "CallStillRunningError",
+    "TurnInProgressError",
     "apply_dex_decisions",
     "dex_context",
     "dex_function_tools",

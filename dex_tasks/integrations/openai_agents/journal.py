@@ -10,6 +10,7 @@ from typing import Any
 
 from agents import (
     Agent,
+    AgentsException,
     FunctionTool,
     Model,
     ModelProvider,
@@ -24,7 +25,15 @@ from agents.usage import Usage
 from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage
 from pydantic import TypeAdapter
 
-from dex_tasks import AsyncDexClient, DexClient, InvalidCallError, key_part
+from dex_tasks import (
+    AsyncDexClient,
+    DexClient,
+    DexError,
+    InvalidCallError,
+    Turn,
+    TurnConflictError,
+    key_part,
+)
 from dex_tasks.integrations.openai_agents.context import (
     async_client,
     get_field,
@@ -83,6 +92,30 @@ def dex_run_config(client: DexClient | AsyncDexClient, *,
                      **options)
 
 
+class TurnInProgressError(DexError, AgentsException):
+    """``Runner.run`` was given another input while the session's durable turn is still open.
+
+    The input is queued as a user message of the session (``queued`` in its snapshot), as the
+    seeds' sessions queue a message sent during a turn, and nothing else happens: the model is
+    not asked, none of the open turn's journaled responses is replayed for this input, none of
+    its pending approvals is surfaced as if this input had asked for it. The open turn goes on
+    as before (its own input run again, or its paused ``RunState`` resumed). When it ends, the
+    message is delivered; running this same input again then begins its turn from that
+    message (stored once) and the model answers it. ``turn`` is the open turn (its
+    ``turn_id``, its ``input``). An ``AgentsException``, so the SDK passes it on as it is.
+    """
+
+    def __init__(self, session_id: str, turn: Turn, queued: str) -> None:
+        super().__init__(
+            f"session {session_id!r} has an open turn ({turn.turn_id!r}, begun with "
+            f"{turn.input!r}): this input ({queued!r}) was queued for after it and the model "
+            "was not asked; run it again once that turn has ended (its own input run again, "
+            "or its paused RunState resumed)")
+        self.session_id = session_id
+        self.turn = turn
+        self.queued = queued
+
+
 class _Journal:
     """The dex side of the journaled model: begin the turn, replay or record each step."""
 
@@ -108,8 +141,19 @@ class _Journal:
         if get_field(context, _STEP) is not None:
             return  # a step of a run already begun (or a RunState resumed)
         session_id = required_field(context, "session_id")
-        turn = await self.client.begin_turn(session_id, _input_text(model_data),
-                                            turn_id=get_field(context, "turn_id") or None)
+        text = _input_text(model_data)
+        requested = get_field(context, "turn_id") or None
+        try:
+            turn = await self.client.begin_turn(session_id, text, turn_id=requested)
+        except TurnConflictError:
+            # dex_context(session, client=...) named the session's open turn, and this run's
+            # input is another: it waits behind that turn like any other input.
+            current = await self.client.open_turn(session_id)
+            if current is None or current.turn_id != requested:
+                raise
+            turn = await self.client.begin_turn(session_id, text)
+        if turn.queued_input:
+            raise TurnInProgressError(session_id, turn, text)
         self.known[(session_id, turn.turn_id)] = {s.step: s.response for s in turn.steps}
         put_field(context, "turn_id", turn.turn_id)
         put_field(context, _STEP, 0)

@@ -29,7 +29,9 @@ the session's user messages that waited for it are delivered; a run that ends on
 leaves it open. Keys are ``session/turn/<step>.<the model's call id>``, all taken from the
 journaled response, so a replay gives the same keys even though a real model mints new ids each
 time it is asked (and fake models that reuse ids get distinct keys). A run with another input
-while the session's turn is open raises :class:`TurnInProgressError` (the input is queued).
+while the session's turn is open raises :class:`TurnInProgressError` (the input is queued, the
+model not asked); run it again once that turn ended, and its turn begins from the queued
+message.
 
 **Which tools.** The capability wraps the agent's toolset (``get_wrapper_toolset``) and adds the
 tools the workers published to the dex-tasks catalog (``client.list_tools()``: name, docstring,

@@ -26,7 +26,9 @@ class TurnInProgressError(DexError):
     """A run with a new input was started on a session whose durable turn is still open.
 
     The input was queued as a user message of the session (delivered when that turn ends), as
-    the seeds' sessions do; finish the open turn first: run its own input again (``turn``).
+    the seeds' sessions do, and the model was not asked; finish the open turn first (run its
+    own input again: ``turn``), then run this input again: its turn begins from the queued
+    message, which the session holds once.
     """
 
     def __init__(self, session_id: str, turn: Turn) -> None:
