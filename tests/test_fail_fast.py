@@ -155,19 +155,23 @@ def test_a_role_that_does_not_exist_is_refused_at_once(
 @pytest.fixture
 def password_pooler(postgres_required: str) -> Iterator[PgBouncer]:
     """A PgBouncer that asks its clients for a password (SCRAM): the machine's PostgreSQL
-    trusts every local login, so this is where a wrong one is refused."""
+    trusts every local login, so this is where a wrong one is refused. Its clients use the
+    test's own fresh database (``postgres_required``): the machine's ``test`` database is shared
+    by every run and may hold another release's schema."""
     with pgbouncer(auth={"postgres": STORE_PASSWORD}) as bouncer:
         yield bouncer
 
 
 def test_a_wrong_store_password_is_refused_at_once(
-        password_pooler: PgBouncer, redis_url: str, tmp_path: Path) -> None:
+        password_pooler: PgBouncer, postgres_required: str, redis_url: str,
+        tmp_path: Path) -> None:
     # Given the right password works (through the pooler, told of it)
-    right = store_url(password=STORE_PASSWORD, port=password_pooler.port)
+    database = postgres_required.rsplit("/", 1)[1]
+    right = store_url(password=STORE_PASSWORD, port=password_pooler.port, database=database)
     with DexClient(fast_settings(redis_url, right, store_pooler="transaction")) as client:
         assert client.store.store_time() > 0
     # When a worker and an agent start with a wrong one
-    wrong = store_url(password=WRONG_PASSWORD, port=password_pooler.port)
+    wrong = store_url(password=WRONG_PASSWORD, port=password_pooler.port, database=database)
     env = env_for(redis_url, wrong, DEX_STORE_POOLER="transaction")
     end = run_processes(["worker"], env, tmp_path)["worker"]
     # Then each refuses at once, naming the cause and where to fix it, without a password
