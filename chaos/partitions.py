@@ -144,7 +144,8 @@ class Lab:
         hosts = [self.net.add_host(name) for name in names]
         for host in hosts:
             host.run([*dex_command(), "worker", "--tools", "workers.example_tools", "-c",
-                      str(concurrency)], self.env(), self.workdir / f"{host.name}.log")
+                      str(concurrency), "-l", "INFO"],
+                     self.env(), self.workdir / f"{host.name}.log")
         for name in names:
             self.wait_ready(name)
         return hosts

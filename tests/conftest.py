@@ -152,6 +152,9 @@ def settings_env(settings: DexSettings, ledger: Path | None = None) -> dict[str,
     if ledger is not None:
         env["DEX_EXAMPLE_LEDGER"] = str(ledger)
     env["PYTHONUNBUFFERED"] = "1"
+    # Workers of tests log at INFO (the default is WARNING): tests wait for their "ready." line
+    # and read the lines they log per call.
+    env["DEX_WORKER_LOGLEVEL"] = "INFO"
     return env
 
 

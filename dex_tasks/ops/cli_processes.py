@@ -56,7 +56,11 @@ def worker(
              "past its time limit is ended and its thread abandoned.",
         callback=lambda value: check_pool(value),
     ),
-    loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
+    loglevel: str = typer.Option(
+        "WARNING", "--loglevel", "-l", envvar="DEX_WORKER_LOGLEVEL",
+        help="WARNING by default, as `celery worker`: at INFO the worker logs a line or more "
+             "per call, which costs throughput (see docs/performance.md); ask for it with "
+             "`-l info` (or DEX_WORKER_LOGLEVEL=INFO)."),
     log_format: str = LOG_FORMAT_OPTION,
     events: bool = typer.Option(
         False, "-E", "--events",

@@ -540,7 +540,8 @@ class Demo:
         port = free_port()
         stack.api_url = f"http://127.0.0.1:{port}"
         with console.status("starting the worker, beat and the API..."):
-            stack.start("worker", ["worker", "--tools", TOOLS, "-c", "2"])
+            # INFO: the demo shows a line per call (and waits for the "ready." line).
+            stack.start("worker", ["worker", "--tools", TOOLS, "-c", "2", "-l", "INFO"])
             stack.start("beat", ["beat"])
             stack.start("api", ["api", "--host", "127.0.0.1", "--port", str(port)])
             stack.wait_ready()
