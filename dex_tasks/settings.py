@@ -58,6 +58,12 @@ class DexSettings(BaseSettings):
         default=30.0, gt=0,
         description="How long a running call's lease lasts without renewal.",
     )
+    end_commit_hold_seconds: float = Field(
+        default=0.002, ge=0, le=0.05,
+        description="How long a worker process may hold a call's ending to commit it with "
+                    "the endings of its other threads (group commit); only while other calls "
+                    "run in the process. 0 commits each ending alone.",
+    )
     store_retry_seconds: float = Field(
         default=5.0, ge=0,
         description="How long a transition, claim or lease renewal keeps retrying across a "

@@ -31,7 +31,8 @@ TERMINAL = frozenset(
 ALLOWED_FROM: dict[CallStatus, frozenset[CallStatus]] = {
     CallStatus.QUEUED: frozenset({CallStatus.AWAITING_APPROVAL, CallStatus.RUNNING}),
     CallStatus.RUNNING: frozenset({CallStatus.QUEUED}),
-    CallStatus.SUCCEEDED: frozenset({CallStatus.RUNNING}),
+    # queued -> succeeded: a retrying call, whose running attempt is a lease in Redis (v4).
+    CallStatus.SUCCEEDED: frozenset({CallStatus.RUNNING, CallStatus.QUEUED}),
     # queued -> failed only for "the tool did not run"; running -> failed for tool errors.
     CallStatus.FAILED: frozenset({CallStatus.QUEUED, CallStatus.RUNNING}),
     CallStatus.REJECTED: frozenset({CallStatus.AWAITING_APPROVAL}),

@@ -31,6 +31,7 @@ from dex_tasks.broker.notify import (
     EndedNotifier,
     ended_channel,
     install,
+    message_status,
     redis_connector,
 )
 from dex_tasks.store import EndedCall, Store
@@ -66,8 +67,9 @@ class Announcements:
             message = self.pubsub.get_message(timeout=0.1)
             if message and message["type"] == "pmessage":
                 channel = message["channel"].decode()
+                # (the status, then the ended record a waiter is handed: message_status)
                 self.seen.append((channel.removeprefix(CHANNEL_PREFIX),
-                                  message["data"].decode()))
+                                  message_status(message["data"])))
 
     def wait_for(self, key: str, status: CallStatus, timeout: float = 20.0) -> None:
         wait_until(lambda: (key, status.value) in self.seen, timeout,

@@ -103,14 +103,14 @@ def test_transition_and_its_event_commit_or_roll_back_together(store: Store) -> 
 
 def test_illegal_moves_raise_and_change_nothing(store: Store) -> None:
     store.insert_call(call_row("s/t/c"))
-    with pytest.raises(IllegalTransitionError, match=r"succeeded.*queued"):
-        store.transition("s/t/c", CallStatus.SUCCEEDED, allowed={CallStatus.QUEUED})
+    with pytest.raises(IllegalTransitionError, match=r"succeeded.*awaiting_approval"):
+        store.transition("s/t/c", CallStatus.SUCCEEDED, allowed={CallStatus.AWAITING_APPROVAL})
     with pytest.raises(IllegalTransitionError, match="awaiting_approval"):
         store.transition("s/t/c", CallStatus.AWAITING_APPROVAL)
     with pytest.raises(IllegalTransitionError):
         store.transition("s/t/c", CallStatus.RUNNING, allowed=set())
     # A legal move from a status the call is not in is refused by the guard, not an error.
-    assert not store.transition("s/t/c", CallStatus.SUCCEEDED)
+    assert not store.transition("s/t/c", CallStatus.SUCCEEDED, allowed={CallStatus.RUNNING})
     assert not store.transition("s/t/no-such-call", CallStatus.RUNNING)
     assert store.get_call("s/t/c").status == "queued"  # type: ignore[union-attr]
     assert len(store.events_for_call("s/t/c")) == 1

@@ -105,7 +105,8 @@ class AsyncDexClient:
         """Wait until the call is terminal and return it; ``TimeoutError`` after ``timeout``.
 
         Woken by the Redis notification sent when the call ends, like
-        :meth:`DexClient.wait`; the store is read (in a thread) on every wake-up and every
+        :meth:`DexClient.wait`, which hands over the ended record (signed, checked here) when
+        it can; otherwise the store is read (in a thread) on every wake-up and every
         ``wait_poll_seconds`` regardless, and every 5-200 ms while Redis cannot be reached.
         """
         loop = asyncio.get_running_loop()
@@ -126,6 +127,9 @@ class AsyncDexClient:
                 except TimeoutError:
                     pass
                 woken.clear()
+                handed = self.sync._handed(watch, key)
+                if handed is not None:
+                    return handed
                 record = await self.get_tool_call(key)
                 if record.terminal:
                     return record

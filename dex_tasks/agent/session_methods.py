@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from dex_tasks.errors import CallNotFoundError
 from dex_tasks.lazy import Deferred
+from dex_tasks.states import CallStatus
 
 # Celery, SQLAlchemy and Redis are imported when first used, not with this module (see
 # dex_tasks.lazy): ``from dex_tasks import DexClient`` stays cheap.
@@ -24,10 +25,11 @@ if TYPE_CHECKING:
     from celery import Celery
 
     from dex_tasks.agent import approvals, session_views, turns
-    from dex_tasks.broker import notify
+    from dex_tasks.broker import metrics, notify
     from dex_tasks.broker.redis_clients import connector
     from dex_tasks.settings import DexSettings
     from dex_tasks.store import Store, transcript
+    from dex_tasks.store.models import ToolCallRow
     from dex_tasks.store.records import (
         AgentSnapshot,
         CallEvent,
@@ -39,9 +41,10 @@ else:
     _deferred = Deferred(globals())
     approvals, session_views, turns = _deferred("dex_tasks.agent", "approvals", "session_views",
                                                   "turns")
-    notify = _deferred("dex_tasks.broker", "notify")
+    metrics, notify = _deferred("dex_tasks.broker", "metrics", "notify")
     connector = _deferred("dex_tasks.broker.redis_clients", "connector")
     transcript = _deferred("dex_tasks.store", "transcript")
+    ToolCallRow = _deferred("dex_tasks.store.models", "ToolCallRow")
     CallEvent, ToolCallRecord = _deferred("dex_tasks.store.records", "CallEvent",
                                           "ToolCallRecord")
 
@@ -58,6 +61,8 @@ class SessionMethods:
     store: Store
     settings: DexSettings
     _watcher: notify.CallWatcher | None = None
+    # Checks the ended records notifications hand to ``wait`` (False: no secret, none taken).
+    _signer: Any = None
 
     @property
     def app(self) -> Celery:
@@ -71,13 +76,37 @@ class SessionMethods:
             self._watcher = notify.CallWatcher(connector(self.settings))
         return self._watcher
 
+    def _secret(self) -> str | None:
+        secret = self.settings.secret_key
+        return secret.get_secret_value() if secret is not None else None
+
+    def _handed(self, watch: notify.Watch, key: str) -> ToolCallRecord | None:
+        """The ended record the notification that woke ``watch`` carried (signed with our
+        secret, checked here), or None: then the store is read."""
+        if self._signer is None:
+            self._signer = notify.record_serializer(self._secret()) or False
+        record = notify.ended_record(watch.message, self._signer or None, key)
+        if record is None:
+            return None
+        handed = ToolCallRecord.from_row(ToolCallRow.model_validate(record))
+        return handed if handed.terminal else None
+
     def _stop_watching(self) -> None:
         """Close the watcher, if ``wait`` started one (part of ``DexClient.close``)."""
         if self._watcher is not None:
             self._watcher.close()
 
     def get_tool_call(self, key: str) -> ToolCallRecord:
-        """The call's record; :class:`CallNotFoundError` if no call has that key."""
+        """The call's record; :class:`CallNotFoundError` if no call has that key.
+
+        A call of the retrying path that a worker runs now is ``queued`` in the store and
+        ``running`` under a lease in Redis (``broker/runs.py``): it is shown ``running``."""
+        record = self._stored_call(key)
+        if record.status is CallStatus.QUEUED:
+            return metrics.shown_runs(self.settings).overlay([record])[0]
+        return record
+
+    def _stored_call(self, key: str) -> ToolCallRecord:
         row = self.store.get_call(key)
         if row is None:
             raise CallNotFoundError(key)
@@ -86,10 +115,12 @@ class SessionMethods:
     def wait(self, key: str, timeout: float = 30.0) -> ToolCallRecord:
         """Block until the call is terminal and return it; ``TimeoutError`` after ``timeout``.
 
-        Woken by the Redis notification sent when the call ends (see ``notify.py``), so the
-        record is in hand about as soon as it is stored. The store is read on every wake-up,
-        and every ``wait_poll_seconds`` regardless, in case a notification was lost; while
-        Redis cannot be reached it is read every 5 ms, doubling up to 200 ms.
+        Woken by the Redis notification sent when the call ends (see ``notify.py``), which
+        hands over the ended record (signed with ``DEX_SECRET_KEY``, checked here), so it is
+        in hand as soon as it is stored, with no read of the store. Without a secret, or a
+        notification that did not carry it, the store is read on every wake-up, and every
+        ``wait_poll_seconds`` regardless, in case a notification was lost; while Redis cannot
+        be reached it is read every 5 ms, doubling up to 200 ms.
         """
         pauses = WaitPauses(key, timeout, self.settings.wait_poll_seconds)
         record = self.get_tool_call(key)
@@ -98,6 +129,9 @@ class SessionMethods:
         with self.watcher.watch(key) as watch:
             while True:
                 watch.wait(pauses.next(record, watch.live))
+                handed = self._handed(watch, key)
+                if handed is not None:
+                    return handed
                 record = self.get_tool_call(key)
                 if record.terminal:
                     return record
@@ -107,7 +141,8 @@ class SessionMethods:
         user, assistant and tool messages, oldest first), ``.pending_interrupts`` (approvals
         waiting, deadline not passed) and ``.decided`` (who decided each past approval, when,
         and why)."""
-        return session_views.session_snapshot(self.store, session_id)
+        return session_views.session_snapshot(self.store, session_id,
+                                              runs=metrics.shown_runs(self.settings))
 
     # -- approvals and messages -----------------------------------------------------------------
 

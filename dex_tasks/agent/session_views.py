@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import and_, or_, select
 from sqlalchemy.engine import Connection, CursorResult
@@ -30,6 +30,9 @@ from dex_tasks.store.records import (
     ToolCallRecord,
 )
 from dex_tasks.store.transcript import session_messages, with_edit_notes
+
+if TYPE_CHECKING:
+    from dex_tasks.broker.runs import Runs
 
 
 def _dt(ts: float | None) -> datetime | None:
@@ -136,9 +139,13 @@ def _messages(conn: Connection, session_id: str,
 
 
 def session_snapshot(store: Store, session_id: str, now: float | None = None,
-                     window: SnapshotWindow | None = None) -> AgentSnapshot:
+                     window: SnapshotWindow | None = None,
+                     runs: Runs | None = None) -> AgentSnapshot:
     """The session as one consistent read: calls, transcript, pending and decided approvals
     (all of them; only ``window``'s part when given, which is what the HTTP API serves).
+
+    ``runs``: the retrying calls' running attempts in Redis (``broker/runs.py``); a call the
+    store has ``queued`` that one of them runs is shown ``running``.
 
     An undecided interrupt whose deadline has passed is in neither list: it can no longer be
     approved, and the next deadline sweep moves it to ``decided`` as expired.
@@ -178,11 +185,16 @@ def session_snapshot(store: Store, session_id: str, now: float | None = None,
     calls, pending, decided, messages, approvers = store.reading(read)
     return AgentSnapshot(
         session_id=session_id,
-        tool_calls=[ToolCallRecord.from_row(ToolCallRow.model_validate(dict(c))) for c in calls],
+        tool_calls=_shown(runs, [ToolCallRecord.from_row(ToolCallRow.model_validate(dict(c)))
+                                 for c in calls]),
         messages=messages,
         pending_interrupts=[_pending(i, i, approvers) for i in pending],
         decided=[_decided(i, i, approvers) for i in reversed(decided)],
     )
+
+
+def _shown(runs: Runs | None, records: list[ToolCallRecord]) -> list[ToolCallRecord]:
+    return records if runs is None else runs.overlay(records)
 
 
 def list_pending(

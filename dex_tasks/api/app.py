@@ -99,7 +99,13 @@ from dex_tasks.api.schemas import (
     parse_resolve_body,
     validation_error_body,
 )
-from dex_tasks.broker.metrics import beat_is_late, last_sweep_at, metrics_redis, render_metrics
+from dex_tasks.broker.metrics import (
+    beat_is_late,
+    last_sweep_at,
+    metrics_redis,
+    render_metrics,
+    shown_runs,
+)
 from dex_tasks.errors import InvalidArgumentError, StoreUnavailableError
 from dex_tasks.limits import KEY_MAX
 from dex_tasks.logs import redact_logger
@@ -329,7 +335,8 @@ def snapshot(
     window = SnapshotWindow(limit=limit + 1, messages_after=messages_after,
                             messages_before=messages_before, calls_after=calls_after,
                             open_calls=open_calls)
-    snap = session_snapshot(store, session_id, window=window)
+    snap = session_snapshot(store, session_id, window=window,
+                            runs=shown_runs(_state(request).client.settings))
     tail = messages_before is not None
     messages = snap.messages[-limit:] if tail else snap.messages[:limit]
     page = SnapshotPage(

@@ -61,6 +61,7 @@ from sqlalchemy import func, select
 
 from dex_tasks.broker.redis_clients import redis_client
 from dex_tasks.broker.routing import live_workers
+from dex_tasks.broker.runs import Runs
 from dex_tasks.errors import DexError
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import CallStatus
@@ -225,7 +226,7 @@ class StoreCollector(Collector):
         pending = GaugeMetricFamily(
             "dex_pending_approvals", "Calls awaiting a human decision, by tool.", labels=["tool"],
         )
-        for tool, effect, status, count in by_status:
+        for tool, effect, status, count in self._with_running(by_status):
             calls.add_metric([tool, effect, status], count)
             if status == CallStatus.AWAITING_APPROVAL.value:
                 pending.add_metric([tool], count)
@@ -241,6 +242,25 @@ class StoreCollector(Collector):
             "How long the oldest undecided approval has waited (0 with none).",
             value=0.0 if oldest is None else max(0.0, now - float(oldest)),
         )
+
+    def _with_running(self, by_status: Sequence[Any]) -> list[tuple[str, str, str, int]]:
+        """The store's open counts with the retrying calls that run under a lease in Redis
+        (``queued`` in the store) counted ``running``. Redis unreachable: as stored."""
+        counts = {(t, e, s): int(n) for t, e, s, n in by_status}
+        if self.redis is None:
+            return [(*k, n) for k, n in counts.items()]
+        try:
+            running = Runs(self.redis).running_by_label()
+        except Exception as err:  # noqa: BLE001 - a scrape never fails on Redis
+            log.debug("running calls not read from Redis: %s", err)
+            running = {}
+        queued, run = CallStatus.QUEUED.value, CallStatus.RUNNING.value
+        for (tool, effect), n in running.items():
+            moved = min(n, counts.get((tool, effect, queued), 0))
+            if moved:
+                counts[(tool, effect, queued)] -= moved
+                counts[(tool, effect, run)] = counts.get((tool, effect, run), 0) + moved
+        return [(*k, n) for k, n in counts.items()]
 
     # -- redis: counters ------------------------------------------------------------------------
 
@@ -365,6 +385,17 @@ def metrics_redis(settings: DexSettings) -> redis.Redis:
 
 _REDIS_FIELDS = ("redis_url", "redis_sentinel_master", "redis_tls_ca_file",
                  "redis_tls_cert_file", "redis_tls_key_file")
+
+
+def shown_runs(settings: DexSettings) -> Runs:
+    """The running attempts of retrying calls (``broker/runs.py``) on the scrape client, for
+    the readers that show calls (a snapshot, ``get_tool_call``, the session page)."""
+    return _shown_runs(settings.model_dump_json(include=set(_REDIS_FIELDS)))
+
+
+@functools.lru_cache(maxsize=4)
+def _shown_runs(redis_settings: str) -> Runs:
+    return Runs(_metrics_redis(redis_settings))
 
 
 @functools.lru_cache(maxsize=4)

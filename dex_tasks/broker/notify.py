@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import redis
+from itsdangerous import BadData, Serializer
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -112,6 +113,61 @@ def ended_channel(key: str) -> str:
     return CHANNEL_PREFIX + key
 
 
+RECORD_SALT = "dex-tasks.ended-record"
+"""Salt of the signature of an ended record handed to waiters (apart from the tokens')."""
+
+MAX_RECORD_CHARS = 32_000
+"""An ended record longer than this (a large result) is not sent: its waiters read the
+store, as every waiter of a notifier without a secret does."""
+
+
+def record_serializer(secret: str | None) -> Serializer[str] | None:
+    """How ended records are signed and checked with ``DEX_SECRET_KEY`` (None without one:
+    then no record travels, and waiters read the store)."""
+    return Serializer(secret, salt=RECORD_SALT) if secret else None
+
+
+def ended_message(call: EndedCall, signer: Serializer[str] | None) -> str:
+    """What the end of ``call`` publishes on its channel: its status, then (after a space)
+    the ended row, signed, which its waiters take instead of reading the store; or only the
+    status (no secret, a row the ending did not return, or one too large), which makes them
+    read it."""
+    if signer is None or call.record is None:
+        return call.status.value
+    text = f"{call.status.value} {signer.dumps(call.record)}"
+    return text if len(text) <= MAX_RECORD_CHARS else call.status.value
+
+
+def message_status(message: str | bytes) -> str:
+    """The status an end notification announces (its first word)."""
+    if isinstance(message, bytes):
+        message = message.decode("utf-8", "surrogateescape")
+    return message.split(" ", 1)[0]
+
+
+def ended_record(message: str | bytes | None, signer: Serializer[str] | None,
+                 key: str) -> dict[str, Any] | None:
+    """The ended row of call ``key`` a notification carried, if it is one, signed with our
+    secret, for that call and terminal; None otherwise (read the store). Redis is not
+    trusted with a call's outcome: a message anyone could publish is checked first."""
+    if signer is None or message is None:
+        return None
+    if isinstance(message, bytes):
+        message = message.decode("utf-8", "surrogateescape")
+    _, _, signed = message.partition(" ")
+    if not signed:
+        return None  # a bare status
+    try:
+        record = signer.loads(signed)
+    except (BadData, ValueError):
+        log.warning("a call's end notification failed its signature check; reading the store",
+                    extra={"action": "ended_record_refused"})
+        return None
+    if not isinstance(record, dict) or record.get("key") != key:
+        return None
+    return record
+
+
 # -- sending ------------------------------------------------------------------------------------
 
 
@@ -126,9 +182,12 @@ class EndedNotifier:
     the default, until Redis refuses scripts), more as a pipeline of the same commands.
     """
 
-    def __init__(self, target: str, connect: Connect, *, scripted: bool = True) -> None:
+    def __init__(self, target: str, connect: Connect, *, scripted: bool = True,
+                 secret: str | None = None) -> None:
         self.target = target
         self._connect = connect
+        # Signs the ended records handed to waiters (none without a secret).
+        self.signer = record_serializer(secret)
         self._client: redis.Redis | None = None
         self._quiet_until = 0.0
         self._failing = False
@@ -178,7 +237,7 @@ class EndedNotifier:
         counts, totals = ended_counts(ended)
         args: list[str | int | float] = [len(ended)]
         for call in ended:
-            args += (ended_channel(call.key), call.status.value)
+            args += (ended_channel(call.key), ended_message(call, self.signer))
         args.append(len(counts))
         for name, n in counts.items():
             args += (name, n)
@@ -214,7 +273,7 @@ class EndedNotifier:
         """Announce and count ``ended`` in one pipeline of plain commands."""
         pipe = self.client.pipeline(transaction=False)
         for call in ended:
-            pipe.publish(ended_channel(call.key), call.status.value)
+            pipe.publish(ended_channel(call.key), ended_message(call, self.signer))
         count_ended(pipe, ended)
         pipe.execute()
 
@@ -225,14 +284,18 @@ class EndedNotifier:
             self._client = None
 
 
-def install(store: Store, redis_url: str, connect: Connect | None = None) -> EndedNotifier:
+def install(store: Store, redis_url: str, connect: Connect | None = None,
+            secret: str | None = None) -> EndedNotifier:
     """Make every call ``store`` ends announced on the Redis at ``redis_url`` (and counted);
     returns the store's notifier (the one already installed for that Redis, if any).
-    ``connect`` makes its Redis clients (default: :func:`redis_connector` of the URL)."""
+    ``connect`` makes its Redis clients (default: :func:`redis_connector` of the URL);
+    ``secret`` (``DEX_SECRET_KEY``) signs the ended records it hands to waiters."""
     for hook in store.ended_hooks():
         if isinstance(hook, EndedNotifier) and hook.target == redis_url:
+            if secret and hook.signer is None:
+                hook.signer = record_serializer(secret)
             return hook
-    notifier = EndedNotifier(redis_url, connect or redis_connector(redis_url))
+    notifier = EndedNotifier(redis_url, connect or redis_connector(redis_url), secret=secret)
     store.on_calls_ended(notifier)
     return notifier
 
@@ -250,14 +313,18 @@ class Watch:
         self.channel = channel
         self._on_wake = on_wake
         self._event = threading.Event()
+        # The last message heard on the channel: a signed ended record, or a bare status.
+        self.message: str | bytes | None = None
 
     @property
     def live(self) -> bool:
         """Whether notifications can reach this watch now (see :attr:`CallWatcher.live`)."""
         return self.watcher.live
 
-    def wake(self) -> None:
-        """Wake the waiter (called from the watcher's thread)."""
+    def wake(self, message: str | bytes | None = None) -> None:
+        """Wake the waiter (called from the watcher's thread), with what its channel said."""
+        if message is not None:
+            self.message = message
         self._event.set()
         if self._on_wake is not None:
             try:
@@ -379,14 +446,14 @@ class CallWatcher:
         except Exception:
             log.debug("could not wake the call watcher", exc_info=True)
 
-    def _wake(self, channel: str | None) -> None:
+    def _wake(self, channel: str | None, message: str | bytes | None = None) -> None:
         with self._lock:
             if channel is None:
                 watches = [w for ws in self._watches.values() for w in ws]
             else:
                 watches = list(self._watches.get(channel, ()))
         for watch in watches:
-            watch.wake()
+            watch.wake(message)
 
     # -- the watcher's thread -------------------------------------------------------------------
 
@@ -449,7 +516,8 @@ class CallWatcher:
                     channel = channel.decode("utf-8", "surrogateescape")
                 # A confirmed subscription wakes its waiters too: their call may have ended
                 # before it, and they must read the store once more.
-                self._wake(str(channel))
+                data = message.get("data") if message.get("type") == "message" else None
+                self._wake(str(channel), data if isinstance(data, str | bytes) else None)
 
     def _send(self, pubsub: Any) -> None:
         """Send the queued requests in order; consecutive ones of a kind in one command, so a

@@ -44,7 +44,7 @@ from dex_tasks.store.tables import (
     event_name,
     readable_calls,
 )
-from dex_tasks.store.transitions import Move
+from dex_tasks.store.transitions import Move, Started
 
 __all__ = [
     "APPROVALS",
@@ -59,6 +59,7 @@ __all__ = [
     "EndedHook",
     "Move",
     "NetworkBounds",
+    "Started",
     "Store",
     "bounded_statements",
     "deliver_ready_messages",

@@ -31,7 +31,10 @@ from dex_tasks.store.connections import (
     statements_bounded,
 )
 from dex_tasks.store.refusals import refusal
-from dex_tasks.store.tables import STORE_NOW
+from dex_tasks.store.tables import CALLS, STORE_NOW
+
+# The calls table's columns, by name: an ended row handed to waiters holds them all.
+CALL_COLUMNS = tuple(c.name for c in CALLS.c)
 
 log = logging.getLogger("dex_tasks.store")
 
@@ -53,6 +56,9 @@ class EndedCall:
     status: CallStatus
     created_at: float
     finished_at: float
+    record: dict[str, Any] | None = None
+    """The ended row (every column), when the statement that ended it returned it: what the
+    notification that wakes its waiters hands them (``broker/notify.py``)."""
 
 
 EndedHook = Callable[[Sequence[EndedCall]], None]
@@ -81,7 +87,15 @@ def note_ended(conn: Connection, key: str, to: CallStatus, row: Any, now: float)
     if ended is not None:
         ended.append(EndedCall(key=key, session_id=row.session_id, tool=row.tool,
                                effect=row.effect, status=to, created_at=row.created_at,
-                               finished_at=now))
+                               finished_at=now, record=_whole_row(row)))
+
+
+def _whole_row(row: Any) -> dict[str, Any] | None:
+    """Every column of the calls table from ``row``, or None if it lacks some."""
+    mapping = getattr(row, "_mapping", None)
+    if mapping is None or any(name not in mapping for name in CALL_COLUMNS):
+        return None
+    return {name: mapping[name] for name in CALL_COLUMNS}
 
 
 class StoreBase:

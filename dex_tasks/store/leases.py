@@ -9,11 +9,12 @@ The reaper and the republisher read expired leases and stranded queued calls her
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy import bindparam, literal, or_, select, update
@@ -24,7 +25,13 @@ from dex_tasks.store import driver
 from dex_tasks.store.calls import UNSENT_GRACE_SECONDS
 from dex_tasks.store.connections import store_now
 from dex_tasks.store.models import ToolCallRow
-from dex_tasks.store.tables import CALLS, readable_calls, status_by_key
+from dex_tasks.store.tables import (
+    CALLS,
+    INSERT_EVENT,
+    event_name,
+    readable_calls,
+    status_by_key,
+)
 from dex_tasks.store.transitions import CLAIMABLE, Transitions, single_statement
 
 V = TypeVar("V")
@@ -191,6 +198,42 @@ class Leases(Transitions):
                                     "lease_expires_at": None},
                             detail={"reason": "claim_refused"})
             raise
+
+    def record_attempt(self, key: str, *, stored: int, attempt: int, owner: str,
+                       started: float, detail: Mapping[str, Any], published_at: float,
+                       now: float | None = None) -> bool:
+        """Count a leased attempt of a retrying call that did not end it (a transient error,
+        a lost worker with attempts left): ``attempts`` becomes ``attempt`` and
+        ``published_at`` the time its next message is due, guarded on the call being queued
+        with ``stored`` attempts, and the attempt's start and its return to ``queued`` (with
+        ``detail``) are written as events. No status changes: the call was ``queued`` in the
+        store throughout (its ``running`` was a lease in Redis). True if this wrote it."""
+        now = time.time() if now is None else now
+        stmt = (update(CALLS)
+                .where(CALLS.c.key == key, CALLS.c.status == CallStatus.QUEUED.value,
+                       CALLS.c.attempts == stored)
+                .values(attempts=attempt, published_at=published_at, updated_at=now)
+                .returning(CALLS.c.session_id))
+        queued, running = CallStatus.QUEUED.value, CallStatus.RUNNING.value
+
+        def write(tx: Connection, n: int) -> bool:
+            row = tx.execute(stmt).first()
+            if row is None:
+                return n > 1 and self._landed(tx, key, CallStatus.QUEUED,
+                                              {"attempts": attempt, "updated_at": now},
+                                              now) is not None
+            base = {"session_id": row.session_id, "key": key}
+            tx.execute(INSERT_EVENT, [
+                {**base, "event": event_name(CallStatus.RUNNING), "from_status": queued,
+                 "to_status": running, "created_at": started,
+                 "detail": json.dumps({"attempt": attempt, "worker": owner})},
+                {**base, "event": event_name(CallStatus.QUEUED), "from_status": running,
+                 "to_status": queued, "created_at": now,
+                 "detail": json.dumps(dict(detail), default=str)},
+            ])
+            return True
+
+        return self._retrying(write)
 
     def mark_published(self, keys: str | Sequence[str], now: float | None = None, *,
                        republished: bool = False) -> None:

@@ -82,9 +82,9 @@ _MANY_CHUNK = 200
 # What a move's UPDATE returns: the event row needs these three; a terminal move also builds
 # its call's tool message from the rest (the values just written), so it needs no read.
 _RETURNING = (CALLS.c.key, CALLS.c.session_id, CALLS.c.prev_status)
-_RETURNING_TERMINAL = (*_RETURNING, CALLS.c.turn_id, CALLS.c.tool_call_id, CALLS.c.tool,
-                       CALLS.c.arguments, CALLS.c.result, CALLS.c.error, CALLS.c.effect,
-                       CALLS.c.created_at)
+# A terminal move returns the whole ended row: its waiters are handed it with the notification
+# that wakes them (``EndedCall.record``), and need no read of the store.
+_RETURNING_TERMINAL = tuple(CALLS.c)
 
 
 def _returning(to: CallStatus) -> tuple[Any, ...]:
@@ -147,6 +147,9 @@ def _transition_statement(
 # The single-statement form's event detail and time, bound per move.
 _EV_DETAIL = bindparam("ev_detail", type_=EVENTS.c.detail.type)
 _EV_NOW = bindparam("ev_now", type_=EVENTS.c.created_at.type)
+# The start event's, for a move that ends an attempt whose start was not stored.
+_ST_DETAIL = bindparam("st_detail", type_=EVENTS.c.detail.type)
+_ST_NOW = bindparam("st_now", type_=EVENTS.c.created_at.type)
 # Takes the session's delivery lock and then says whether the session has user messages
 # waiting, reading at a snapshot of its own (migration 0008): see ``single_statement``.
 SESSION_ENDED_CHECK = "dex_call_ended_check"
@@ -155,7 +158,7 @@ SESSION_ENDED_CHECK = "dex_call_ended_check"
 @functools.lru_cache(maxsize=256)
 def single_statement(
     to: CallStatus, sources: frozenset[CallStatus], match: tuple[str, ...],
-    fields: tuple[str, ...], claim: bool = False,
+    fields: tuple[str, ...], claim: bool = False, started: bool = False,
 ) -> Any:
     """PostgreSQL: one move as ONE statement, run in autocommit (one round trip, no BEGIN or
     COMMIT): the guarded UPDATE, its event row and, on a move to a terminal status, the call's
@@ -166,7 +169,10 @@ def single_statement(
     function reads at a snapshot taken after the lock, so it sees what the lock's previous
     holder committed, as the statements after the UPDATE do in the transaction form. When it
     says yes, the caller delivers them in a transaction of its own (rare; the sweep is the
-    backstop). A claim (``claim``) returns the whole row.
+    backstop). A claim (``claim``) returns the whole row. ``started``: the move ends an
+    attempt whose start was not stored (a retrying call, leased in Redis): its
+    ``tool_call_started`` event (``:st_detail`` at ``:st_now``) is written first, in the same
+    INSERT, and the ending's event says it left ``running``.
     """
     update_stmt = _guarded_update(to, sources, match, fields, claim=claim)
     if claim:
@@ -180,10 +186,19 @@ def single_statement(
     detail: Any = (func.jsonb_build_object(literal_column("'attempt'"), moved.c.attempts,
                                            literal_column("'worker'"), moved.c.worker)
                    if claim else _EV_DETAIL)
+    ended = select(moved.c.session_id, moved.c.key, literal_column(f"'{event_name(to)}'"),
+                   literal_column(f"'{CallStatus.RUNNING.value}'") if started
+                   else moved.c.prev_status, literal_column(f"'{to.value}'"), detail, _EV_NOW)
+    rows: Any = ended
+    if started:
+        # One INSERT of both rows, the start first, so their ids keep their order.
+        rows = select(moved.c.session_id, moved.c.key,
+                      literal_column(f"'{event_name(CallStatus.RUNNING)}'"),
+                      moved.c.prev_status, literal_column(f"'{CallStatus.RUNNING.value}'"),
+                      _ST_DETAIL, _ST_NOW).union_all(ended)
     event = insert(EVENTS).from_select(
         ["session_id", "key", "event", "from_status", "to_status", "detail", "created_at"],
-        select(moved.c.session_id, moved.c.key, literal_column(f"'{event_name(to)}'"),
-               moved.c.prev_status, literal_column(f"'{to.value}'"), detail, _EV_NOW),
+        rows,
     ).cte("moved_event")
     stmt = select(moved).add_cte(event)
     if to.terminal:
@@ -201,10 +216,10 @@ def single_statement(
 
 
 def _event_row(row: Any, to: CallStatus, detail: Mapping[str, Any] | None,
-               now: float) -> dict[str, Any]:
+               now: float, from_status: str | None = None) -> dict[str, Any]:
     """The event row of one move: ``row`` is what its UPDATE returned."""
     return {"session_id": row.session_id, "key": row.key, "event": event_name(to),
-            "from_status": row.prev_status, "to_status": to.value,
+            "from_status": from_status or row.prev_status, "to_status": to.value,
             "detail": json.dumps(dict(detail), default=str) if detail else None,
             "created_at": now}
 
@@ -216,6 +231,15 @@ def _tool_message(row: Any, to: CallStatus, now: float) -> dict[str, Any]:
             "tool_call_id": row.tool_call_id, "tool": row.tool, "key": row.key,
             "call_status": to.value, "tool_arguments": row.arguments,
             "tool_output": row.result if to is CallStatus.SUCCEEDED else row.error}
+
+
+@dataclass(frozen=True)
+class Started:
+    """The start of an attempt that was not stored when it began (a retrying call's, leased in
+    Redis): recorded by the move that ends the attempt, as its ``tool_call_started`` event."""
+
+    at: float
+    detail: Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -267,6 +291,7 @@ class Transitions(StoreBase):
         detail: Mapping[str, Any] | None = None,
         now: float | None = None,
         conn: Connection | None = None,
+        started: Started | None = None,
     ) -> bool:
         """Move call ``key`` to ``to`` if its status is one of ``allowed``; True if this won.
 
@@ -276,6 +301,10 @@ class Transitions(StoreBase):
         event row is written in the same transaction, and so is, when ``to`` is terminal, the
         call's tool message in the session's transcript. Without ``conn`` the transition runs
         in a transaction of its own, retried across a lost connection (see the module's doc).
+
+        ``started``: this move ends an attempt whose start was never stored (a retrying call
+        runs leased in Redis, ``broker/runs.py``): the ``tool_call_started`` event it would
+        have written is written now, before the ending's, in the same statement.
         """
         sources = _sources(f"call {key!r}", to, allowed)
         now = time.time() if now is None else now
@@ -302,14 +331,20 @@ class Transitions(StoreBase):
                 .returning(*_returning_one(to, self.is_postgres))
             )
         if conn is not None:
-            return self._transition_in(conn, stmt, params, key, to, detail, now) is not None
+            return self._transition_in(conn, stmt, params, key, to, detail, now,
+                                       started) is not None
         if params is not None and self.is_postgres:
-            single = single_statement(to, sources, tuple(sorted(match)), tuple(sorted(fields)))
+            single = single_statement(to, sources, tuple(sorted(match)), tuple(sorted(fields)),
+                                      started=started is not None)
+            if started is not None:
+                params = {**params, "st_now": started.at,
+                          "st_detail": json.dumps(started.detail, default=str)}
             return self._move_single(single, params, key, to, detail, now,
                                      {**match, **fields}) is not None
 
         def attempt(tx: Connection, n: int) -> bool:
-            if self._transition_in(tx, stmt, params, key, to, detail, now) is not None:
+            if self._transition_in(tx, stmt, params, key, to, detail, now,
+                                   started) is not None:
                 return True
             # Nothing matched. After a lost connection that may be our own earlier try, which
             # committed: the row then holds exactly what this transition writes.
@@ -371,6 +406,7 @@ class Transitions(StoreBase):
         to: CallStatus,
         detail: Mapping[str, Any] | None,
         now: float,
+        started: Started | None = None,
     ) -> Any | None:
         if params is not None:  # a statement built once per shape: prepared on SQLite
             rows = driver.run(conn, stmt, params)
@@ -380,12 +416,16 @@ class Transitions(StoreBase):
         if row is None:
             return None
         # A terminal move on PostgreSQL took the session's delivery lock in its RETURNING.
-        self._record(conn, to, [row], {key: detail}, now, locked=True)
+        if started is not None:
+            driver.run_many(conn, INSERT_EVENT, [{
+                **_event_row(row, CallStatus.RUNNING, started.detail, started.at)}])
+        self._record(conn, to, [row], {key: detail}, now, locked=True,
+                     from_status=CallStatus.RUNNING.value if started is not None else None)
         return row
 
     def _record(self, conn: Connection, to: CallStatus, moved: Sequence[Any],
                 details: Mapping[str, Mapping[str, Any] | None], now: float, *,
-                locked: bool) -> None:
+                locked: bool, from_status: str | None = None) -> None:
         """What every move writes besides the status, in the mover's transaction.
 
         ``moved`` are the rows the UPDATE returned (:func:`_returning`), ``details`` each
@@ -403,7 +443,7 @@ class Transitions(StoreBase):
 
         ``locked``: this transaction already holds the sessions' delivery locks (PostgreSQL).
         """
-        events = [_event_row(row, to, details[row.key], now) for row in moved]
+        events = [_event_row(row, to, details[row.key], now, from_status) for row in moved]
         if not events:
             return
         if not to.terminal:

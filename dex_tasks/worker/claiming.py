@@ -1,6 +1,7 @@
-"""Claiming a call before its tool runs: the store's compare-and-set claim (queued -> running)
-with the checks that need this worker (the tool is here, the arguments are valid), and the
-Redis claim in front of it on the single-attempt path."""
+"""Claiming a call before its tool runs: on the single-attempt path the store's compare-and-set
+claim (queued -> running) with the checks that need this worker (the tool is here, the
+arguments are valid), behind the Redis claim in ``claims.py``; on the retrying path a lease in
+Redis (``broker/runs.py``) after a read of the call, with no store write (DESIGN version 4)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,18 @@ import logging
 import time
 from typing import Any, cast
 
+import redis
+
+from dex_tasks.broker.runs import BUSY
 from dex_tasks.registry import InvalidArguments, get_local_tool
 from dex_tasks.states import CallStatus
 from dex_tasks.store.models import ToolCallRow
-from dex_tasks.worker.endings import end_unstarted, exhausted_before_claim
+from dex_tasks.worker.endings import (
+    Attempt,
+    end_unstarted,
+    exhausted_before_claim,
+    message_lost,
+)
 from dex_tasks.worker.runtime import Runtime
 from dex_tasks.worker.task_states import Outcome
 
@@ -92,3 +101,58 @@ def _before_claim(row: Any) -> ToolCallRow:
         **row._mapping, "status": CallStatus.QUEUED.value, "attempts": row.attempts - 1,
         "worker": None, "lease_expires_at": None, "prev_status": None})
 
+
+
+Leased = tuple[ToolCallRow, Any, dict[str, Any], Attempt]
+
+
+def claim_leased(rt: Runtime, key: str, owner: str) -> Leased | Outcome | None:
+    """Start an attempt of a retrying call: its run leased in Redis, nothing written to the
+    store (which still says ``queued``; the ending records the start).
+
+    The call is read first: one that is not queued is a duplicate delivery (None); one that
+    expired in the queue, whose tool is not here or whose arguments are invalid ends "did not
+    run" (its :class:`Outcome`), as the store's claim decides on the other path. Then
+    ``Runs.start`` counts the attempt and takes the lease in one command: another live lease on
+    the call makes this delivery a duplicate, and a call with no attempt left ends as its
+    effect class says. Returns the call as it now runs (status ``running``, ``attempts`` this
+    attempt's number), its tool, the validated arguments and the :class:`Attempt`. Redis
+    unreachable: the call is marked unsent (the republisher sends it again) and this delivery
+    changes nothing.
+    """
+    now = time.time()
+    call = rt.store.get_call(key)
+    if call is None or call.status != CallStatus.QUEUED.value:
+        log.info("duplicate delivery ignored", extra={"action": "duplicate_delivery",
+                                                      "key": key})
+        return None
+    if call.expires_at is not None and now > call.expires_at:
+        return end_unstarted(rt, call, "it expired in the queue before a worker started it")
+    if call.attempts >= call.max_attempts:
+        return exhausted_before_claim(
+            rt, call, f"the worker was lost during each of the {call.attempts} attempts")
+    tool = get_local_tool(call.tool)
+    if tool is None:
+        return end_unstarted(rt, call, f"no worker that took it has the tool {call.tool!r}")
+    try:
+        arguments = tool.validate(json.loads(call.arguments))
+    except InvalidArguments as err:
+        return end_unstarted(rt, call, str(err))
+    try:
+        number, counted = rt.runs.start(
+            key, owner, stored_attempts=call.attempts, max_attempts=call.max_attempts,
+            lease_seconds=rt.settings.lease_seconds, started=now,
+            ttl=rt.settings.claim_ttl_seconds, tool=call.tool, effect=call.effect)
+    except redis.RedisError:
+        message_lost(rt, key, "run_start_failed")
+        return None
+    if number == BUSY:
+        log.info("duplicate delivery ignored (another attempt runs)",
+                 extra={"action": "duplicate_delivery", "key": key})
+        return None
+    if number == 0:
+        return exhausted_before_claim(
+            rt, call, f"the worker was lost during each of the {counted} attempts", counted)
+    running = call.model_copy(update={"status": CallStatus.RUNNING.value, "attempts": number,
+                                      "worker": owner})
+    return running, tool, arguments, Attempt(owner, number, stored=call.attempts, started=now)

@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
+import redis
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DataError
 
 from dex_tasks.broker.celery_app import publish
@@ -19,13 +22,55 @@ from dex_tasks.limits import RESULT_DEPTH_MAX, storable_text
 from dex_tasks.policy import EffectClass
 from dex_tasks.registry import strings_problem
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
-from dex_tasks.store import Move, Store
+from dex_tasks.store import Move, Started, Store
 from dex_tasks.store.models import ToolCallRow
 from dex_tasks.worker import retry
 from dex_tasks.worker.runtime import Runtime
 from dex_tasks.worker.task_states import Outcome
 
 log = logging.getLogger("dex_tasks.worker.execution")
+
+
+# -- the attempt being ended -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """The attempt a worker runs, and what guards its ending.
+
+    ``stored`` None: the single-attempt path, whose claim stored ``running`` under ``owner``;
+    its ending is guarded on that owner. Otherwise a retrying call whose attempt is a lease in
+    Redis (``broker/runs.py``): the store still says ``queued`` with ``stored`` attempts, and
+    the ending, guarded on that count, records the attempt's start (``started``, this
+    worker's clock) with its end.
+    """
+
+    owner: str
+    number: int
+    stored: int | None = None
+    started: float = 0.0
+
+    @property
+    def leased(self) -> bool:
+        return self.stored is not None
+
+    def guards(self) -> tuple[set[CallStatus], dict[str, Any], dict[str, Any], Started | None]:
+        """(the statuses it may leave, the guards, the values it writes, its start)."""
+        if self.stored is None:
+            return {CallStatus.RUNNING}, {"worker": self.owner}, {}, None
+        return ({CallStatus.QUEUED}, {"attempts": self.stored},
+                {"attempts": self.number, "worker": self.owner},
+                Started(self.started, {"attempt": self.number, "worker": self.owner}))
+
+
+def release_run(rt: Runtime, key: str, owner: str, *, ended: bool) -> None:
+    """Drop a leased attempt's run in Redis once the store has its outcome. Best effort: a
+    run left behind lapses with its lease, and the reaper then finds its call moved on."""
+    try:
+        rt.runs.release(key, owner, ended=ended)
+    except redis.RedisError as err:
+        log.warning("a running call's lease was not released; it lapses", extra={
+            "action": "run_release_failed", "key": key, "error": str(err)[:200]})
 
 
 # -- ending calls -------------------------------------------------------------------------------
@@ -102,7 +147,8 @@ def end_unstarted(rt: Runtime, call: ToolCallRow, why: str) -> Outcome:
 
 
 def handle_lost_attempt(
-    rt: Runtime, key: str, owner: str | None, reason: str, *, republish: bool
+    rt: Runtime, key: str, owner: str | None, reason: str, *, republish: bool,
+    call: ToolCallRow | None = None,
 ) -> CallStatus | None:
     """A running attempt is gone (child killed, hard time limit, a thread abandoned at its
     limit).
@@ -114,7 +160,7 @@ def handle_lost_attempt(
     moved the call to. (The reaper does the same for many calls at once, set-based, with
     :func:`lost_attempt_move`.)
     """
-    call = rt.store.get_call(key)
+    call = call or rt.store.get_call(key)
     if call is None or call.status != CallStatus.RUNNING.value:
         return None
     if owner is not None and call.worker != owner:
@@ -170,28 +216,51 @@ def message_lost(rt: Runtime, key: str, action: str) -> None:
                     extra={"action": "mark_unpublished_failed", "key": key})
 
 
-def exhausted_before_claim(rt: Runtime, call: ToolCallRow, why: str) -> Outcome:
-    """A queued retrying call delivered again after every attempt was used (by worker loss)."""
+def exhausted_before_claim(rt: Runtime, call: ToolCallRow, why: str,
+                           counted: int | None = None) -> Outcome:
+    """A queued retrying call delivered again after every attempt was used (by worker loss).
+    ``counted``: the attempts Redis counted (``broker/runs.py``), when more than stored."""
+    attempts = max(call.attempts, counted or 0)
     decision = retry.after_worker_lost(
-        EffectClass(call.effect), call.attempts, call.max_attempts, why, key=call.key)
+        EffectClass(call.effect), attempts, call.max_attempts, why, key=call.key)
     assert decision.status is not None
     if rt.store.transition(
         call.key, decision.status, allowed={CallStatus.QUEUED},
         match={"attempts": call.attempts},
-        values={"error": decision.error}, detail={"reason": "attempts_exhausted"},
+        values={"error": decision.error, "attempts": attempts},
+        detail={"reason": "attempts_exhausted"},
     ):
         return Outcome(decision.status, decision.error)
     return Outcome(None, why=RACED)
 
 
 
-def finish(rt: Runtime, key: str, owner: str, to: CallStatus, **values: Any) -> bool:
-    reason = values.pop("reason", None)
+def finish(rt: Runtime, key: str, attempt: Attempt | str, to: CallStatus,
+           **values: Any) -> bool:
+    """End ``attempt``'s call (guarded as :meth:`Attempt.guards` says; a plain owner id is a
+    claim stored ``running``); True if this won."""
+    if isinstance(attempt, str):
+        attempt = Attempt(attempt, 0)
     try:
+        return _finish(rt, key, attempt, to, **values)
+    finally:
+        if attempt.leased:
+            release_run(rt, key, attempt.owner, ended=to.terminal)
+
+
+def _finish(rt: Runtime, key: str, attempt: Attempt, to: CallStatus, **values: Any) -> bool:
+    reason = values.pop("reason", None)
+    allowed, match, written, started = attempt.guards()
+
+    def move(conn: Connection | None = None) -> bool:
         return rt.store.transition(
-            key, to, allowed={CallStatus.RUNNING}, match={"worker": owner},
-            values=values, detail={"reason": reason} if reason else None,
+            key, to, allowed=allowed, match=match, values={**written, **values},
+            detail={"reason": reason} if reason else None, started=started, conn=conn,
         )
+
+    try:
+        # Committed with the endings of this process's other threads when they come together.
+        return rt.ends.commit(move, move)
     except Exception as err:
         if not to.terminal or not _refused_for_its_data(err):
             raise
@@ -203,8 +272,9 @@ def finish(rt: Runtime, key: str, owner: str, to: CallStatus, **values: Any) -> 
         error = (f"the tool ended ({to.value}) but the store refused to record that ending "
                  f"({_cause_name(err)})")
         return rt.store.transition(
-            key, CallStatus.FAILED, allowed={CallStatus.RUNNING}, match={"worker": owner},
-            values={"error": error}, detail={"reason": "ending_refused"})
+            key, CallStatus.FAILED, allowed=allowed, match=match,
+            values={**written, "error": error}, detail={"reason": "ending_refused"},
+            started=started)
 
 
 def _refused_for_its_data(err: BaseException) -> bool:
@@ -226,23 +296,23 @@ def _cause_name(err: BaseException) -> str:
     return type(err).__name__
 
 
-def end(rt: Runtime, key: str, owner: str, to: CallStatus, error: str | None,
-         reason: str) -> Outcome:
-    """End the running attempt ``owner`` holds: the call becomes ``to`` with ``error``."""
-    if finish(rt, key, owner, to, error=error, reason=reason):
+def end(rt: Runtime, key: str, attempt: Attempt, to: CallStatus, error: str | None,
+        reason: str) -> Outcome:
+    """End the running ``attempt``: the call becomes ``to`` with ``error``."""
+    if finish(rt, key, attempt, to, error=error, reason=reason):
         return Outcome(to, error)
     return Outcome(None, why=SUPERSEDED)
 
 
 
-def succeed(rt: Runtime, key: str, owner: str, value: Any) -> Outcome:
+def succeed(rt: Runtime, key: str, attempt: Attempt, value: Any) -> Outcome:
     try:
         dumped = dump_result(value)
     except (TypeError, ValueError) as err:
         # The tool ran; its effect happened even though its result cannot be recorded.
-        return end(rt, key, owner, CallStatus.FAILED, f"the tool ran but {err}",
-                    "result_not_json")
-    if finish(rt, key, owner, CallStatus.SUCCEEDED, result=dumped):
+        return end(rt, key, attempt, CallStatus.FAILED, f"the tool ran but {err}",
+                   "result_not_json")
+    if finish(rt, key, attempt, CallStatus.SUCCEEDED, result=dumped):
         return Outcome(CallStatus.SUCCEEDED)
     return Outcome(None, why=SUPERSEDED)
 

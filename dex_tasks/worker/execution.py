@@ -1,8 +1,10 @@
 """The bodies of the two task kinds.
 
 Retrying path (``read``, ``idempotent_write``): acknowledged late; a lost child's message is
-requeued by Celery (``reject_on_worker_lost``). Celery puts no cap on that, so every claim
-counts an attempt in the store and a delivery past ``max_attempts`` ends the call instead.
+requeued by Celery (``reject_on_worker_lost``). Celery puts no cap on that, so every attempt
+is counted (in Redis, with its lease: ``claiming.claim_leased``; the store is written only
+when the call ends or an attempt is recorded lost or retried) and a delivery past
+``max_attempts`` ends the call instead.
 
 Single-attempt path (``non_idempotent_write``, ``unclassified``): acknowledged early; a Redis
 ``SET NX`` claim turns duplicate deliveries away cheaply, and the store's compare-and-set claim
@@ -12,7 +14,7 @@ ends it ``outcome_unknown``.
 A child that is killed runs none of its own hooks, so the worker's main process handles the
 loss (``main_process.DexRequest``, calling ``endings.handle_lost_attempt``). A whole worker that
 dies runs nothing at all; its leases stop being renewed and the reaper in ``sweeps.py``
-finishes the job.
+(and ``leased.py`` for the retrying path's leases in Redis) finishes the job.
 
 Each body records its outcome in the store first and then tells Celery
 (``task_states.report``), so that Celery's own state for the message (what Flower and
@@ -32,8 +34,8 @@ from celery import Task
 
 from dex_tasks.worker import claims
 from dex_tasks.worker.attempts import run_attempt
-from dex_tasks.worker.claiming import claim
-from dex_tasks.worker.endings import DUPLICATE, RACED, message_lost
+from dex_tasks.worker.claiming import claim, claim_leased
+from dex_tasks.worker.endings import DUPLICATE, RACED, Attempt, message_lost
 from dex_tasks.worker.runtime import (
     Runtime,
     current_owner,
@@ -56,18 +58,23 @@ def run_retrying(task: Task, key: str) -> None:
     """Body of the retrying task kind."""
     rt = runtime(task.app)
     owner = current_owner(task.request.hostname)
-    _claim_and_run(task, rt, key, owner, retrying=True)
+    leased = claim_leased(rt, key, owner)
+    if not isinstance(leased, tuple):
+        _report_unclaimed(task, key, leased)
+        return
+    call, tool, arguments, attempt = leased
+    report(task, call, run_attempt(rt, call, tool, arguments, attempt, retrying=True))
 
 
-def _claim_and_run(task: Task, rt: Runtime, key: str, owner: str, *, retrying: bool) -> None:
-    """Claim the call in the store, run its attempt, and tell Celery how it ended."""
+def _claim_and_run(task: Task, rt: Runtime, key: str, owner: str) -> None:
+    """Claim a single-attempt call in the store, run it, and tell Celery how it ended."""
     claimed = claim(rt, key, owner)
     if not isinstance(claimed, tuple):
         _report_unclaimed(task, key, claimed)
         return
     call, tool, arguments = claimed
-    report(task, call, run_attempt(rt, call, tool, arguments, owner, call.attempts,
-                                retrying=retrying))
+    report(task, call, run_attempt(rt, call, tool, arguments, Attempt(owner, call.attempts),
+                                   retrying=False))
 
 
 def _report_unclaimed(task: Task, key: str, outcome: Outcome | None) -> None:
@@ -99,5 +106,5 @@ def run_single_attempt(task: Task, key: str) -> None:
         log.info("claim taken, duplicate ignored", extra={"action": "duplicate_delivery",
                                                           "key": key})
         raise ignored(task, key, DUPLICATE)
-    _claim_and_run(task, rt, key, owner, retrying=False)
+    _claim_and_run(task, rt, key, owner)
 

@@ -27,7 +27,8 @@ from dex_tasks.broker.redis_clients import redis_client
 from dex_tasks.broker.routing import Presence
 from dex_tasks.states import CallStatus
 from dex_tasks.store import bounded_statements
-from dex_tasks.worker.endings import did_not_run, handle_lost_attempt
+from dex_tasks.worker.endings import did_not_run
+from dex_tasks.worker.leased import handle_lost
 from dex_tasks.worker.runtime import current_owner, reset_runtime, runtime
 from dex_tasks.worker.threadpool import Watchdog, Watched
 
@@ -70,17 +71,26 @@ class LeaseRenewer(threading.Thread):
         clock (this machine's clock plays no part)."""
         rt = runtime(self.app)
         by_host: dict[str, list[str]] = {}
+        leased: dict[str, list[str]] = {}
         for request in list(worker_state.active_requests):
             # ``type`` is the registered task name; ``name`` is the shadow name that publish()
             # gives each message ("dex.call_tool[lookup_order]") and never matches.
             if request.type in _CALL_TASKS and request.args:
-                by_host.setdefault(request.hostname, []).append(request.args[0])
-        # Bounded: a renewal waiting on a row lock (a vanished host's session, a call of ours
-        # mid-ending) fails in seconds and is tried again, instead of queueing for minutes.
-        with bounded_statements(rt.settings.sweep_statement_timeout_seconds,
-                                rt.settings.sweep_lock_timeout_seconds):
-            return sum(rt.store.renew_leases(f"{host}:", keys, rt.settings.lease_seconds)
-                       for host, keys in by_host.items())
+                # The retrying path's attempts are leased in Redis, the others in the store.
+                kind = leased if request.type == RUN_RETRYING else by_host
+                kind.setdefault(request.hostname, []).append(request.args[0])
+        renewed = 0
+        if by_host:
+            # Bounded: a renewal waiting on a row lock (a vanished host's session, a call of
+            # ours mid-ending) fails in seconds and is tried again, instead of queueing for
+            # minutes.
+            with bounded_statements(rt.settings.sweep_statement_timeout_seconds,
+                                    rt.settings.sweep_lock_timeout_seconds):
+                renewed = sum(rt.store.renew_leases(f"{host}:", keys, rt.settings.lease_seconds)
+                              for host, keys in by_host.items())
+        # After the store's: Redis unreachable must not keep the store's leases from renewing.
+        return renewed + sum(rt.runs.renew(f"{host}:", keys, rt.settings.lease_seconds)
+                             for host, keys in leased.items())
 
 
 _renewer: LeaseRenewer | None = None
@@ -151,7 +161,7 @@ def _watch_time_limits(app: Celery) -> None:
         rt = runtime(app)
         reason = (f"the tool was stopped by its hard time limit ({entry.limit}s); on the "
                   "threads pool its thread cannot be killed and was abandoned")
-        status = handle_lost_attempt(rt, entry.key, entry.owner, reason, republish=True)
+        status = handle_lost(rt, entry.key, entry.owner, reason, republish=True)
         if status is None:
             call = rt.store.get_call(entry.key)
             if call is not None and call.status == CallStatus.QUEUED.value:

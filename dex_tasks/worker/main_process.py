@@ -33,8 +33,8 @@ from dex_tasks.errors import CallFailure
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import CallStatus
 from dex_tasks.worker import hooks, webhooks
-from dex_tasks.worker.endings import handle_lost_attempt
 from dex_tasks.worker.execution import run_retrying, run_single_attempt
+from dex_tasks.worker.leased import handle_lost
 from dex_tasks.worker.retry import celery_retry_options
 from dex_tasks.worker.runtime import owner_id, runtime
 from dex_tasks.worker.sweeps import run_job
@@ -116,7 +116,7 @@ class DexRequest(Request):  # type: ignore[misc]
             # new message is needed. Requeueing the message that was running also covers a
             # child killed after it recorded a retry but before it sent the retry's message.
             rt = runtime(self.task.app)
-            handle_lost_attempt(rt, key, owner, reason, republish=False)
+            handle_lost(rt, key, owner, reason, republish=False)
             call = rt.store.get_call(key)
         except Exception:
             log.exception("could not record a lost attempt", extra={"action": "lost_hook_error"})

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 from celery import Celery
 
 from dex_tasks.broker import notify, webhooks
 from dex_tasks.broker.redis_clients import connector, redis_client
+from dex_tasks.broker.runs import Runs
 from dex_tasks.settings import DexSettings
 from dex_tasks.store import INHERITED, NetworkBounds, Store
+from dex_tasks.worker.group_commit import EndCommits
 
 
 @dataclass
@@ -24,11 +26,21 @@ class Runtime:
     store: Store
     redis: redis.Redis
     app: Celery
+    # The running attempts of retrying calls (leases and attempt counts in Redis).
+    runs: Runs = field(init=False)
+    # The group commit of this process's endings.
+    ends: EndCommits = field(init=False)
 
     def __post_init__(self) -> None:
+        self.runs = Runs(self.redis)
+        self.ends = EndCommits(self.store, self.settings.end_commit_hold_seconds)
         # Every runtime ends calls (worker children, the main process, sweeps): announce each
         # one on Redis after its commit, which wakes its waiters and counts it for /metrics.
-        notify.install(self.store, self.settings.redis_url, connector(self.settings))
+        # Signed with DEX_SECRET_KEY, the ended record travels with the announcement, and its
+        # waiters need no read of the store.
+        secret = self.settings.secret_key
+        notify.install(self.store, self.settings.redis_url, connector(self.settings),
+                       secret.get_secret_value() if secret is not None else None)
         # Approval events it writes (the deadline sweeps) are sent as webhooks after commit.
         webhooks.install(self.store, self.settings, lambda: self.app)
 

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
+import redis
 from sqlalchemy import func, select
 
 from dex_tasks.broker import routing
@@ -36,6 +37,7 @@ from dex_tasks.store.calls import unsent
 from dex_tasks.store.models import ToolCallRow
 from dex_tasks.worker import claims
 from dex_tasks.worker.endings import after_lost_attempt, did_not_run_move, lost_attempt_move
+from dex_tasks.worker.leased import LEASE_LOST, reap_expired_runs
 from dex_tasks.worker.reconcilers import reconcile_with_reconcilers
 from dex_tasks.worker.runtime import Runtime
 
@@ -46,7 +48,6 @@ log = logging.getLogger("dex_tasks.worker.sweeps")
 # comment in reap_expired_leases).
 LEASE_SETTLE_SECONDS = 1.0
 
-LEASE_LOST = "the worker running the tool stopped renewing its lease (presumed lost)"
 
 
 def reap_expired_leases(rt: Runtime, now: float | None = None, *,
@@ -54,8 +55,11 @@ def reap_expired_leases(rt: Runtime, now: float | None = None, *,
     """Finish or requeue running calls whose lease ran out (their worker is gone).
 
     Leases are judged on the store's clock; ``now`` (a time on that clock) replaces it, for
-    tests and operators. Returns how many calls it moved, in one set-based transition.
+    tests and operators. Returns how many calls it moved, in one set-based transition, and
+    how many leased attempts of the retrying path (leases in Redis, on Redis's clock) it
+    found lapsed and recorded (``leased.reap_expired_runs``).
     """
+    reaped = _reap_runs(rt)
     # A live worker must never lose its call to the reaper, whatever the clocks say and even
     # while the store stalls.
     #
@@ -98,7 +102,7 @@ def reap_expired_leases(rt: Runtime, now: float | None = None, *,
     suspect = now is None and _clock_watch.stepped(rt)
     expired = rt.store.expired_leases(now)
     if not expired:
-        return 0
+        return reaped
     rt.store.writable_at()
     time.sleep(max(settle, _renewal_grace(rt)) if suspect else settle)
     stamp = time.time()
@@ -117,7 +121,17 @@ def reap_expired_leases(rt: Runtime, now: float | None = None, *,
         call, move = moves[key]
         with _one_row("reap_expired_leases", key):
             after_lost_attempt(rt, call, move, republish=True)
-    return len(moved)
+    return reaped + len(moved)
+
+
+def _reap_runs(rt: Runtime) -> int:
+    """The retrying path's part of the reaper; Redis unreachable skips it this time (its
+    leases cannot be judged, and nothing about them changes meanwhile)."""
+    try:
+        return reap_expired_runs(rt)
+    except redis.RedisError as err:
+        log.warning("leases in Redis not reaped: %s", err, extra={"action": "reap_runs_error"})
+        return 0
 
 
 def _renewal_grace(rt: Runtime) -> float:
@@ -206,7 +220,11 @@ def republish_stranded(rt: Runtime, now: float | None = None) -> int:
     # The publish marks this process's own calls are waiting to write (a republisher beside
     # an agent, as in the demo): a call whose mark has not landed yet looks never sent.
     rt.store.flush_publish_marks()
-    for call in rt.store.stranded_queued(now - lost_after):
+    stranded = rt.store.stranded_queued(now - lost_after)
+    running = _running(rt, stranded)
+    for call in stranded:
+        if call.key in running:
+            continue  # queued in the store, running under a lease in Redis
         if served is not None and call.tool not in served:
             # No live worker consumes its queue: a copy would only wait beside the first, and
             # the call ends at its queue deadline (expire_unserved) unless a worker comes.
@@ -227,6 +245,16 @@ def republish_stranded(rt: Runtime, now: float | None = None) -> int:
     rt.store.mark_published(republished, now, republished=True)
     ended = rt.store.transition_many(ending, allowed={CallStatus.QUEUED}, now=now)
     return len(republished) + len(ended)
+
+
+def _running(rt: Runtime, calls: list[ToolCallRow]) -> set[str]:
+    """The keys of ``calls`` (queued in the store) that a retrying attempt runs now, under a
+    lease in Redis. Redis unreachable: none (the publish fails too, and is tried again)."""
+    retrying = [c.key for c in calls if EffectClass(c.effect).retrying]
+    try:
+        return set(rt.runs.get_many(retrying))
+    except redis.RedisError:
+        return set()
 
 
 def _served_or_none(rt: Runtime) -> set[str] | None:
@@ -331,7 +359,10 @@ def expire_unserved(rt: Runtime, now: float | None = None, limit: int = 500) -> 
                                 CALLS.c.tool.in_(unserved), overdue).limit(limit)
         ).mappings().all()) if unserved else []
     ending: list[Move] = []
+    running = _running(rt, calls)
     for call in calls:
+        if call.key in running:
+            continue  # its lease in Redis says a worker runs it
         if call.expires_at is not None:
             why = (f"it expired in the queue before a worker started it (no live worker "
                    f"serves the tool {call.tool!r})")

@@ -1,0 +1,111 @@
+"""A waiter is handed the ended record with the notification that wakes it (DESIGN version 4):
+``wait`` reads the store once before it subscribes and not again once woken, and a record in
+a notification counts only when it is signed with the deployment's secret."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from dex_tasks import CallStatus, DexClient, DexSettings
+from dex_tasks.broker.notify import ended_channel, record_serializer
+from tests.conftest import StartWorker, fast_settings
+from tests.helpers import wait_until
+from workers import ledger
+
+TOOLS = "workers.example_tools,chaos.tools"
+
+
+@pytest.fixture
+def settings(redis_url: str, database_url: str) -> DexSettings:
+    # No poll while the test waits: every read of the store is one the wake-ups asked for.
+    return fast_settings(redis_url, database_url, wait_poll_seconds=60.0)
+
+
+def _timed_reads(client: DexClient, monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """When each read of a call by ``client`` ended."""
+    reads: list[float] = []
+    original: Callable[..., Any] = client.store.get_call
+
+    def get_call(key: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(key, *args, **kwargs)
+        finally:
+            reads.append(time.time())
+
+    monkeypatch.setattr(client.store, "get_call", get_call)
+    return reads
+
+
+def _running_read(client: DexClient, start_worker: StartWorker, ledger_path: Path,
+                  sleep: float) -> str:
+    """The key of a read a worker has started, whose first attempt takes ``sleep`` seconds."""
+    start_worker(concurrency=1, tools=TOOLS)
+    key = client.call_tool(session_id="s", turn_id="t", tool_call_id="c",
+                           tool="stall_first_attempt",
+                           arguments={"order_id": "7", "sleep": sleep}).key
+    wait_until(lambda: len(ledger.read(ledger_path)) == 1, 30, "the tool to start")
+    return key
+
+
+def test_wait_takes_the_ended_record_from_the_notification_without_reading_the_store(
+    client: DexClient, start_worker: StartWorker, ledger_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a read that is running when the waiter starts waiting
+    key = _running_read(client, start_worker, ledger_path, sleep=1)
+    reads = _timed_reads(client, monkeypatch)
+
+    # When it waits for the call to end
+    ended = client.wait(key, 30)
+
+    # Then every read of the store it made came before the call ended (the one before it
+    # subscribed, and the one once its subscription was confirmed): the ending itself came
+    # with the notification...
+    monkeypatch.undo()
+    finished = client.store.get_call(key).finished_at  # type: ignore[union-attr]
+    assert finished is not None and 1 <= len(reads) <= 2
+    assert all(at < finished for at in reads), (reads, finished)
+    # ...and is exactly the stored record
+    assert ended == client.get_tool_call(key)
+    assert ended.status is CallStatus.SUCCEEDED and ended.result == {"order_id": "7",
+                                                                     "attempt": 1}
+
+
+def test_a_record_not_signed_with_our_secret_is_not_believed(
+    client: DexClient, start_worker: StartWorker, ledger_path: Path, redis_url: str,
+) -> None:
+    # Given a read that runs for a few seconds
+    key = _running_read(client, start_worker, ledger_path, sleep=3)
+    stored = client.store.get_call(key)
+    assert stored is not None
+    forged = {**stored.model_dump(), "status": "succeeded", "result": '{"forged": true}',
+              "finished_at": stored.created_at + 1}
+    publisher = redis.Redis.from_url(redis_url)
+
+    # When someone with Redis access but another secret keeps announcing a made-up ending
+    # while the waiter waits
+    stop = threading.Event()
+    forgery = record_serializer("not-our-secret").dumps(forged)
+
+    def forge() -> None:
+        while not stop.wait(0.05):
+            publisher.publish(ended_channel(key), forgery)
+
+    forger = threading.Thread(target=forge, daemon=True)
+    forger.start()
+    try:
+        ended = client.wait(key, 30)
+    finally:
+        stop.set()
+        forger.join()
+
+    # Then the waiter waited for the real ending
+    assert ended.status is CallStatus.SUCCEEDED and ended.result == {"order_id": "7",
+                                                                     "attempt": 1}

@@ -1,0 +1,72 @@
+"""A retrying call writes the store twice (DESIGN version 4, "What a call costs"): when it is
+requested and when it ends. While it runs, its ``running`` is a lease in Redis, and every
+reader that shows the call (``get_tool_call``, the snapshot, ``/metrics``) shows it running
+from that lease; the ending records the start and the end together."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis
+
+from dex_tasks import CallStatus, DexClient, DexSettings
+from dex_tasks.broker.metrics import render_metrics
+from dex_tasks.broker.runs import RUNS_KEY, Runs
+from tests.conftest import StartWorker, fast_settings
+from tests.helpers import wait_until
+from workers import ledger
+
+TOOLS = "workers.example_tools,chaos.tools"
+
+
+@pytest.fixture
+def settings(redis_url: str, database_url: str) -> DexSettings:
+    # Both stores: the ending's one statement differs (PostgreSQL writes both events in it).
+    return fast_settings(redis_url, database_url)
+
+
+def test_a_running_read_is_queued_in_the_store_and_shown_running_from_its_lease(
+    client: DexClient, start_worker: StartWorker, redis_url: str, ledger_path: Path
+) -> None:
+    # Given a worker running a read whose first attempt takes a few seconds
+    start_worker(concurrency=1, tools=TOOLS)
+    key = client.call_tool(session_id="s", turn_id="t", tool_call_id="c",
+                           tool="stall_first_attempt", arguments={"order_id": "1", "sleep": 3},
+                           ).key
+    wait_until(lambda: len(ledger.read(ledger_path)) == 1, 30, "the tool to start")
+
+    # Then while it runs the store still says queued, with only the request's event...
+    stored = client.store.get_call(key)
+    assert stored is not None and stored.status == CallStatus.QUEUED.value
+    assert [e.event for e in client.store.events_for_call(key)] == ["tool_call_requested"]
+    # ...and every reader shows it running, with its attempt and worker, from Redis's lease
+    shown = client.get_tool_call(key)
+    assert shown.status is CallStatus.RUNNING and shown.attempts == 1
+    snapshot = client.get_agent_snapshot("s")
+    assert [(c.key, c.status, c.attempts) for c in snapshot.tool_calls] == [
+        (key, CallStatus.RUNNING, 1)]
+    r = redis.Redis.from_url(redis_url)
+    body, _ = render_metrics(client.store, r)
+    text = body.decode()
+    assert ('dex_tool_calls_open{effect="read",status="running",tool="stall_first_attempt"} '
+            '1.0') in text
+    assert 'status="queued",tool="stall_first_attempt"} 1.0' not in text
+    run = Runs(r).get(key)
+    assert run is not None and run.attempt == 1 and run.worker.count(":") >= 1
+
+    # When it ends
+    ended = client.wait(key, 30)
+
+    # Then its one ending wrote the start and the end together, in order, and the lease is gone
+    assert ended.status is CallStatus.SUCCEEDED and ended.attempts == 1
+    events = client.store.events_for_call(key)
+    assert events[0].event == "tool_call_requested"
+    assert [(e.event, e.from_status, e.to_status) for e in events[1:]] == [
+        ("tool_call_started", "queued", "running"),
+        ("tool_call_finished", "running", "succeeded"),
+    ]
+    assert events[1].created_at <= events[2].created_at
+    # (dropped just after the ending's commit)
+    wait_until(lambda: Runs(r).get(key) is None and r.zscore(RUNS_KEY, key) is None
+               and Runs(r).attempts(key) == 0, 10, "the lease and the count to be dropped")
