@@ -217,6 +217,15 @@ def test_the_readme_is_a_front_page() -> None:
 
 
 @pytest.mark.parametrize("path", PAGES, ids=[p.name for p in PAGES])
+def test_no_page_has_two_sections_of_the_same_name(path: Path) -> None:
+    # (getting-started once had two "Install" sections that disagreed on the extras)
+    text = FENCE.sub("", path.read_text())
+    headings = re.findall(r"^(#{2,3} .+)$", text, re.M)
+    assert len(headings) == len(set(headings)), sorted(h for h in headings
+                                                       if headings.count(h) > 1)
+
+
+@pytest.mark.parametrize("path", PAGES, ids=[p.name for p in PAGES])
 def test_every_dex_tasks_command_in_a_page_parses(path: Path) -> None:
     from typer.testing import CliRunner
 
