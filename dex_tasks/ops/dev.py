@@ -120,6 +120,7 @@ class DevStack:
         self.cwd = (cwd or Path.cwd()).resolve()
         self.files = module_files(self.modules, self.cwd)  # a module that is not there: now
         self.watched: dict[Path, int] = {}
+        self.worker_down = False
         self.port = port
         self.concurrency = concurrency
         self.workdir = Path(tempfile.mkdtemp(prefix="dex-dev-"))
@@ -183,14 +184,18 @@ class DevStack:
             self.stack.wait_ready(timeout, names=("worker",))
             return True
         except StackError:
-            worker = self.stack.procs["worker"]
-            if worker.alive():
+            if self.stack.procs["worker"].alive():
                 raise
-            lines = [ln for ln in worker.log().splitlines() if ln.strip()]
-            self.console.print(f"[red]the worker stopped:[/] {lines[-1] if lines else ''}",
-                               highlight=False, soft_wrap=True)
-            self.console.print("  fix the tool module and save it: the worker starts again.")
+            self._report_worker_exit()
             return False
+
+    def _report_worker_exit(self) -> None:
+        """The worker's last line (a tool module's error is one), and what to do."""
+        self.worker_down = True
+        lines = [ln for ln in self.stack.procs["worker"].log().splitlines() if ln.strip()]
+        self.console.print(f"the worker stopped: {lines[-1] if lines else ''}",
+                           highlight=False, soft_wrap=True, markup=False)
+        self.console.print("  fix the tool module and save it: the worker starts again.")
 
     def _print_tools(self) -> None:
         from dex_tasks.store import Store
@@ -231,12 +236,14 @@ class DevStack:
                 proc = self.stack.procs[name]
                 if not proc.alive():
                     raise StackError(f"dex-tasks {name} exited:\n{proc.tail()}")
+            if not self.worker_down and not self.stack.procs["worker"].alive():
+                self._report_worker_exit()  # once; the next saved change starts it again
             try:
                 files = module_files(self.modules, self.cwd)
             except ConfigurationError as err:  # renamed or deleted: say so, keep watching
                 files = []
                 if self.watched:
-                    self.console.print(f"[red]{err}[/]", highlight=False)
+                    self.console.print(str(err), highlight=False, markup=False)
             now = snapshot(files)
             if now == self.watched:
                 continue
@@ -249,6 +256,7 @@ class DevStack:
             self.console.print(f"{', '.join(changed)} changed: restarting the worker...",
                                highlight=False)
             self.stack.restart("worker")
+            self.worker_down = False
             if self._worker_ready():
                 self._print_tools()
 
