@@ -56,6 +56,7 @@ def quick_start(tmp_path: Path) -> tuple[dict[str, str], list[str], list[list[st
     return parsed.files, parsed.scripts, parsed.shell
 
 
+@pytest.mark.timeout(480)  # four worker starts and a run of the agent, on a loaded machine
 def test_the_quick_start_runs_on_dev_which_reloads_and_stops_clean(
         marker: str, tmp_path: Path) -> None:
     # Given the Quick start's my_tools.py in a project folder, and no DEX_* setting at all
