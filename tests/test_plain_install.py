@@ -7,9 +7,12 @@ In each environment: every module the installed commands load imports, and ``dex
 worker``, ``beat`` and ``api`` of that environment run one call end to end (the call made from
 that environment's Python, its record read back through the API).
 
-Quick: the package and its dependencies are built into a wheelhouse once per test session
-(``pip wheel``, from the machine's index), and every environment installs from it with
-``--no-index``; an environment has no pip of its own (``pip --python`` installs into it).
+``make test`` runs the plain install (100-115 s on a shared, loaded 2-core machine: the
+wheelhouse 27-44 s, the environment and its run 61-73 s); the extras' environments are
+``long`` (``make chaos``). Quick: the package and its dependencies are built into a wheelhouse
+once per test session (``pip wheel``, from the machine's index), and every environment installs
+from it with ``--no-index`` and no byte-compiling; an environment has no pip of its own (``pip
+--python`` installs into it).
 """
 
 from __future__ import annotations
@@ -190,6 +193,7 @@ def test_a_plain_install_runs_a_worker_beat_the_api_and_a_call(
     run_the_stack(bin_dir, work, env, processes)
 
 
+@pytest.mark.long  # make test: the plain install above, and test_dev.py on the suite's venv
 @pytest.mark.timeout(600)
 def test_the_embedded_extra_alone_runs_dev_on_its_own_redis(
         wheelhouse: Path, tmp_path: Path) -> None:
