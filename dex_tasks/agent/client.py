@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import ValidationError
 
+from dex_tasks.agent import hints
 from dex_tasks.agent.calls import (
     NewCall,
     ToolCallRequest,
@@ -90,7 +91,8 @@ class DexClient(SessionMethods):
     The session's reads, waits, approvals, messages and durable turns are inherited from
     :class:`~dex_tasks.agent.session_methods.SessionMethods`."""
 
-    def __init__(self, settings: DexSettings | None = None, *, create_tables: bool = True) -> None:
+    def __init__(self, settings: hints.DexSettings | None = None, *,
+                 create_tables: bool = True) -> None:
         self.settings = settings or DexSettings()
         # An agent process idles between turns, and the server (or a proxy) may close its
         # pooled connections meanwhile: one that sat idle a second is tested before use. The
@@ -125,14 +127,14 @@ class DexClient(SessionMethods):
         return cls(DexSettings())
 
     @property
-    def app(self) -> Celery:
+    def app(self) -> hints.Celery:
         """The Celery app used to publish (created on first use)."""
         if self._app is None:
             self._app = create_app(self.settings, publisher=True)
         return self._app
 
     @property
-    def checkpoints(self) -> Checkpoints:
+    def checkpoints(self) -> hints.Checkpoints:
         """LangGraph checkpoints kept in this client's store (what ``DexCheckpointer`` uses)."""
         return Checkpoints(self.store)
 
@@ -163,7 +165,7 @@ class DexClient(SessionMethods):
         default_effect: EffectClass | str | None = None,
         approval_deadline: float | timedelta | None = None,
         expires_in: float | timedelta | None = None,
-    ) -> ToolCallRecord:
+    ) -> hints.ToolCallRecord:
         """Record a tool call and start it (or hold it for approval); returns its record.
 
         Calling again with the same ids returns the same record without running anything; the
@@ -220,7 +222,7 @@ class DexClient(SessionMethods):
         default_effect: EffectClass | str | None = None,
         approval_deadline: float | timedelta | None = None,
         expires_in: float | timedelta | None = None,
-    ) -> list[ToolCallRecord]:
+    ) -> list[hints.ToolCallRecord]:
         """Record a turn's parallel tool calls in one transaction and start them with one Redis
         round trip; returns their records in the order given.
 
@@ -321,7 +323,9 @@ class DexClient(SessionMethods):
             records.append(ToolCallRecord.from_row(row))
         return records
 
-    def list_tools(self, default_effect: EffectClass | str | None = None) -> list[ToolSpec]:
+    def list_tools(
+        self, default_effect: EffectClass | str | None = None,
+    ) -> list[hints.ToolSpec]:
         """Every tool the workers published (and any registered in this process), by name:
         each one's ``name``, ``description`` (its docstring), ``parameters`` (the JSON schema
         of its arguments) and the ``policy`` a call made now would get, given the session's
@@ -422,7 +426,7 @@ class DexClient(SessionMethods):
         default_effect: EffectClass | str | None = None,
         approval_deadline: float | timedelta | None = None,
         expires_in: float | timedelta | None = None,
-    ) -> list[ToolCallRecord]:
+    ) -> list[hints.ToolCallRecord]:
         """Journal one model response of the turn and start the calls it requested; returns
         their records in the order given.
 
