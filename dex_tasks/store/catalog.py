@@ -21,6 +21,7 @@ from dex_tasks.registry import (
     schema_validator,
     validate_against_schema,
 )
+from dex_tasks.settings import sqlite_file
 from dex_tasks.store import Store
 
 
@@ -88,6 +89,18 @@ def publish(store: Store, tools: Iterable[Tool[Any]]) -> int:
         return store.publish_catalog(entries)
 
 
+def store_location(store: Store) -> str:
+    """The store's URL (no password) and, for SQLite, the file it resolves to: a relative
+    path is relative to each process's own folder, the usual reason an agent finds no tools."""
+    where = store.safe_url
+    file = sqlite_file(store.url)
+    if file is not None:
+        relative = "" if store.url.partition(":///")[2].startswith("/") else \
+            ", relative to this process's folder"
+        where += f" (the file {file}{relative})"
+    return where
+
+
 def lookup(store: Store, name: str) -> ToolInfo:
     """Find a tool in this process's registry, else in the published catalog."""
     local = get_local_tool(name)
@@ -96,7 +109,7 @@ def lookup(store: Store, name: str) -> ToolInfo:
     row = store.get_catalog(name)
     if row is None:
         empty = not store.list_catalog()  # read only on this error path
-        raise UnknownToolError(name, empty_catalog_at=store.safe_url if empty else None)
+        raise UnknownToolError(name, empty_catalog_at=store_location(store) if empty else None)
     raw_policy = json.loads(row.policy)
     return ToolInfo(
         name=name,
