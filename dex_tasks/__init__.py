@@ -13,7 +13,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dex_tasks.agent.approvals import ApproverPermissionError, InvalidEditError
+    from dex_tasks.agent.approvals import (
+        ApproverPermissionError,
+        InvalidEditError,
+        StaleApprovalError,
+    )
     from dex_tasks.agent.async_client import AsyncDexClient
     from dex_tasks.agent.calls import ToolCallRequest, key_part
     from dex_tasks.agent.client import DexClient, idempotency_key
@@ -68,6 +72,7 @@ _LAZY: dict[str, str] = {
     "ApprovalRule": "dex_tasks.rules",
     "ApproverPermissionError": "dex_tasks.agent.approvals",
     "InvalidEditError": "dex_tasks.agent.approvals",
+    "StaleApprovalError": "dex_tasks.agent.approvals",
     "RuleError": "dex_tasks.rules",
     "WebhookSignatureError": "dex_tasks.webhooks",
     "verify_webhook": "dex_tasks.webhooks",
@@ -163,6 +168,7 @@ __all__ = [
     "RuleError",
     "SchemaOutOfDateError",
     "SessionMessage",
+    "StaleApprovalError",
     "StoreRefusedError",
     "StoreUnavailableError",
     "TokenClaims",

@@ -23,6 +23,7 @@ from dex_tasks.agent.calls import (
     checked_arguments,
     idempotency_key,
     new_call,
+    normalized_json,
     request_options,
     same_call,
 )
@@ -184,11 +185,13 @@ class DexClient(SessionMethods):
         options = request_options(default_effect, deadline, expires)
         try:
             info = self._lookup(tool)
-        except UnknownToolError:
+        except UnknownToolError as err:
             # The tool may be gone since the call was made: a repeat still gets its record.
             existing = self.store.get_call(key)
             if existing is None:
-                raise
+                # The caller's mistake (a name, with "did you mean" from the catalog): its
+                # traceback ends here, not in the catalog's internals.
+                raise err.with_traceback(None) from None
             return self._repeat(existing, tool, args_json, options)
         call = new_call(
             key, session_id, turn_id, tool_call_id, tool, plain, args_json, info,
@@ -200,7 +203,7 @@ class DexClient(SessionMethods):
         if not self.store.insert_call(call.row, call.interrupt, requested=options):
             existing = self.store.get_call(key)
             assert existing is not None
-            return self._repeat(existing, tool, args_json, options)
+            return self._repeat(existing, tool, args_json, options, normalized=call.args_json)
 
         if call.invalid is not None:
             self.store.transition(key, CallStatus.FAILED, allowed={CallStatus.QUEUED},
@@ -292,7 +295,8 @@ class DexClient(SessionMethods):
             for key, request, plain, args_json in checked:
                 if key in existing:
                     same_call(existing[key], request.tool, args_json,  # ConflictError
-                              options, stored_options.get(key))
+                              options, stored_options.get(key),
+                              normalized=self._normalized(request.tool, plain))
                     continue
                 new.append(new_call(
                     key, session_id, turn_id, request.tool_call_id, request.tool, plain,
@@ -403,12 +407,21 @@ class DexClient(SessionMethods):
 
         return end
 
+    def _normalized(self, tool: str, arguments: dict[str, Any]) -> str | None:
+        """The normalized JSON a repeated request's arguments were recorded as, if the tool is
+        still known (``calls.normalized_json``)."""
+        try:
+            info = self._lookup(tool)
+        except UnknownToolError:
+            return None
+        return normalized_json(info, arguments)
+
     def _repeat(self, existing: ToolCallRow, tool: str, args_json: str,
-                options: dict[str, Any]) -> ToolCallRecord:
+                options: dict[str, Any], *, normalized: str | None = None) -> ToolCallRecord:
         """The stored record of a repeated request, or :class:`ConflictError` naming what the
         request changed (the stored options are read only here, on the repeat path)."""
         stored = self.store.requested_options([existing.key]).get(existing.key)
-        record = same_call(existing, tool, args_json, options, stored)
+        record = same_call(existing, tool, args_json, options, stored, normalized=normalized)
         if unsent([existing], time.time()) and not self._publish_new([existing]):
             return self.get_tool_call(existing.key)
         return record
