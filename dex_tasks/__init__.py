@@ -13,7 +13,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dex_tasks.agent.approvals import ApproverPermissionError, InvalidEditError
+    from dex_tasks.agent.approvals import (
+        ApproverPermissionError,
+        InvalidEditError,
+        SelfApprovalError,
+    )
     from dex_tasks.agent.async_client import AsyncDexClient
     from dex_tasks.agent.calls import ToolCallRequest, key_part
     from dex_tasks.agent.client import DexClient, idempotency_key
@@ -67,6 +71,7 @@ if TYPE_CHECKING:
 _LAZY: dict[str, str] = {
     "ApprovalRule": "dex_tasks.rules",
     "ApproverPermissionError": "dex_tasks.agent.approvals",
+    "SelfApprovalError": "dex_tasks.agent.approvals",
     "InvalidEditError": "dex_tasks.agent.approvals",
     "RuleError": "dex_tasks.rules",
     "WebhookSignatureError": "dex_tasks.webhooks",
@@ -162,6 +167,7 @@ __all__ = [
     "PrunedCallError",
     "RuleError",
     "SchemaOutOfDateError",
+    "SelfApprovalError",
     "SessionMessage",
     "StoreRefusedError",
     "StoreUnavailableError",

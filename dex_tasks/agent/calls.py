@@ -123,13 +123,16 @@ def new_call(
     arguments: dict[str, Any], args_json: str, info: ToolInfo, *,
     default_effect: EffectClass | str | None, approval_deadline: float | None,
     expires_in: float | None, default_max_attempts: int, now: float | None = None,
+    requested_by: str | None = None,
 ) -> NewCall:
     """Resolve the call's policy and build its row (and interrupt), as ``call_tool`` stores it.
 
     Arguments are checked here when the tool's code is in this process, and against the schema
     the workers published when a person would otherwise be asked to approve arguments the tool
     refuses. (Other calls are checked by the worker: the published schema is stricter than the
-    signature's coercions, "5" for an int for instance.)
+    signature's coercions, "5" for an int for instance.) ``requested_by`` is the identity that
+    makes the call (the MCP server's client): it may not decide the call's approval unless the
+    policy allows self-approval.
     """
     policy = resolve_policy(info.policy, info.hints, default_effect)
     # A rule on the arguments is evaluated here, in the agent process, from the policy the
@@ -145,7 +148,7 @@ def new_call(
                            approval_deadline=approval_deadline, expires_in=expires_in,
                            hold=decision.required and invalid is None,
                            default_max_attempts=default_max_attempts,
-                           now=time.time() if now is None else now)
+                           now=time.time() if now is None else now, requested_by=requested_by)
     row["requires_approval"] = decision.required
     snapshot = decision.snapshot()
     # Plain json.dumps: the snapshot is the rule's own checked JSON and a text of ours.
@@ -157,7 +160,7 @@ def new_call(
 def _rows(
     key: str, session_id: str, turn_id: str, tool_call_id: str, tool: str, args_json: str,
     policy: ToolPolicy, *, approval_deadline: float | None, expires_in: float | None,
-    hold: bool, default_max_attempts: int, now: float,
+    hold: bool, default_max_attempts: int, now: float, requested_by: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     interrupt = None
     interrupt_id = None
@@ -174,6 +177,8 @@ def _rows(
             "approvals_given": 0,
             "approver_permission": policy.approver_permission,
             "webhook_urls": canonical_json(list(policy.webhooks)) if policy.webhooks else None,
+            "requested_by": requested_by,
+            "self_approval": policy.allow_self_approval or None,
         }
     row = {
         "key": key,
