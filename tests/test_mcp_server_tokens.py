@@ -139,13 +139,13 @@ def test_calling_tools_and_deciding_approvals_are_separate_permissions(
     client: DexClient, servers: tuple[str, str], env: dict[str, str], ledger_path: Path
 ) -> None:
     mcp, api = servers
-    agent = cli_token(env, "s-sep", "--permission", "call", "--approver", "agent")
     person = cli_token(env, "s-sep", "--approver", "alice")  # operate, as before
 
     # Given a person's operate token, the MCP server refuses it before anything is read: the
     # token that decides approvals is not the one an MCP client holds
     refused = open_session(mcp, person)
     assert refused.status_code == 403 and "'call' permission" in refused.json()["error"]
+    agent = cli_token(env, "s-sep", "--permission", "call", "--approver", "agent")
 
     # Given the agent's call token, when its client asks for a refund, then it waits
     sid = session_of(mcp, agent)
@@ -160,6 +160,9 @@ def test_calling_tools_and_deciding_approvals_are_separate_permissions(
     # When the agent's own token tries to approve: 403, the call still waits
     denied = resolve(api, agent, interrupt)
     assert denied.status_code == 403 and "operate" in denied.json()["detail"], denied.text
+    # ...nor read the session: call grants nothing on the API
+    assert httpx.get(f"{api}/sessions/s-sep/snapshot", timeout=30,
+                     headers={"Authorization": f"Bearer {agent}"}).status_code == 403
     # A person's token minted under the agent's name is the identity that made the call: 403
     same_name = cli_token(env, "s-sep", "--approver", "agent")
     self_approval = resolve(api, same_name, interrupt)
