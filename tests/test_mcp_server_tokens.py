@@ -35,10 +35,10 @@ from dex_tasks import (
     ToolContext,
     issue_token,
     read_token,
+    token_identity,
     tool,
 )
 from dex_tasks.ops.cli import app as cli_app
-from dex_tasks.tokens import token_identity
 from tests.conftest import StartWorker
 from tests.helpers import free_port, start_process, wait_until
 from tests.test_mcp_server import SECRET, sse_result, stdio_params, text_of

@@ -34,13 +34,13 @@ from typing import Any
 
 from dex_tasks import ForbiddenSessionError, InvalidTokenError, TokenClaims, read_token
 from dex_tasks.integrations.extras import needs_extra
-from dex_tasks.tokens import CALL
 
 with needs_extra("mcp", "dex_tasks.integrations.mcp_gate"):
     from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
     from mcp.server.auth.provider import AccessToken
 
 __all__ = [
+    "CALL",
     "CLAIMS_STATE",
     "DEFAULT_MAX_REQUESTS_PER_TOKEN",
     "DEFAULT_MAX_SESSIONS_PER_TOKEN",
@@ -50,6 +50,8 @@ __all__ = [
     "token_principal",
 ]
 
+CALL = "call"
+"""The permission the gate asks for (``dex_tasks.tokens.CALL``)."""
 CLAIMS_STATE = "dex_claims"
 """The request state entry holding the verified token's :class:`TokenClaims`."""
 TOKEN_STATE = "dex_token"

@@ -58,6 +58,7 @@ from dex_tasks import (
     InvalidCallError,
     ToolCallRecord,
     ToolSpec,
+    token_identity,
     tool_message_text,
 )
 from dex_tasks.integrations.extras import needs_extra
@@ -77,7 +78,6 @@ from dex_tasks.integrations.mcp_gate import (
     TOKEN_STATE,
     TokenGate,
 )
-from dex_tasks.tokens import token_identity
 
 __all__ = [
     "AWAITING_APPROVAL",
