@@ -34,6 +34,7 @@ from dex_tasks.errors import (
     UnknownToolError,
 )
 from dex_tasks.lazy import Deferred
+from dex_tasks.limits import APPROVER_MAX, check_id
 from dex_tasks.policy import EffectClass, seconds
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
 
@@ -167,6 +168,7 @@ class DexClient(SessionMethods):
         default_effect: EffectClass | str | None = None,
         approval_deadline: float | timedelta | None = None,
         expires_in: float | timedelta | None = None,
+        requested_by: str | None = None,
     ) -> hints.ToolCallRecord:
         """Record a tool call and start it (or hold it for approval); returns its record.
 
@@ -175,9 +177,13 @@ class DexClient(SessionMethods):
         ``default_effect`` is the session's default, used when the tool has neither a policy
         nor MCP hints. ``approval_deadline`` overrides the policy's (seconds from now);
         ``expires_in`` bounds how long the call may wait in the queue before it fails as
-        "did not run".
+        "did not run". ``requested_by`` names who makes the call (the MCP server passes its
+        client's token identity): that identity cannot decide the call's approval unless the
+        tool's policy has ``allow_self_approval``.
         """
         key = idempotency_key(session_id, turn_id, tool_call_id)
+        if requested_by is not None:
+            check_id("requested_by", requested_by, APPROVER_MAX)
         check_tool_name(tool)
         plain, args_json = checked_arguments(arguments)
         deadline = seconds(approval_deadline, "approval_deadline")
@@ -196,7 +202,7 @@ class DexClient(SessionMethods):
         call = new_call(
             key, session_id, turn_id, tool_call_id, tool, plain, args_json, info,
             default_effect=default_effect, approval_deadline=deadline, expires_in=expires,
-            default_max_attempts=self.settings.default_max_attempts,
+            default_max_attempts=self.settings.default_max_attempts, requested_by=requested_by,
         )
         # Insert first, read only on conflict: a new call costs one write transaction, and a
         # repeated key is told apart by the primary key, not by a read that could race.
