@@ -245,7 +245,14 @@ class DexSettings(BaseSettings):
         default=600, ge=1, description="Cap on a webhook's retry delay (whole seconds).",
     )
     webhook_timeout_seconds: float = Field(
-        default=10.0, gt=0, description="HTTP timeout of one webhook delivery.",
+        default=10.0, gt=0,
+        description="Total deadline of one webhook delivery attempt: connecting, sending and "
+        "reading the whole answer (a receiver that hangs or trickles is cut off then).",
+    )
+    webhook_concurrency: int = Field(
+        default=16, ge=1,
+        description="Webhook requests a worker's main process sends at once (deliveries never "
+        "use the pool's slots).",
     )
     public_url: str | None = Field(
         default=None,

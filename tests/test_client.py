@@ -71,7 +71,9 @@ def test_call_tool_records_the_call_and_sends_one_message(client: DexClient,
                               tool="lookup_order", arguments={"order_id": "1001"})
     assert record.key == "s1/t1/c1" == idempotency_key("s1", "t1", "c1")
     assert (record.session_id, record.turn_id, record.tool_call_id) == ("s1", "t1", "c1")
-    assert record.tool == "lookup_order" and record.arguments == {"order_id": "1001"}
+    # The arguments the tool will run with: its default filled in (issue 28 item 1)
+    assert record.tool == "lookup_order"
+    assert record.arguments == {"order_id": "1001", "sleep": 0.0}
     assert record.effect is EffectClass.READ and record.requires_approval is False
     assert record.status is CallStatus.QUEUED and not record.terminal
     assert record.attempts == 0 and record.max_attempts == 3

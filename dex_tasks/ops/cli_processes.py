@@ -233,7 +233,8 @@ def mcp(
     port: int = typer.Option(8765, "--port", min=1, max=65535, help="TCP port (--http)."),
     session: str | None = typer.Option(
         None, "--session", envvar="DEX_MCP_SESSION",
-        help="The dex session of stdio calls (and of operator tokens' calls naming none)."),
+        help="The dex session of stdio calls, which a client's _meta cannot change (and of "
+             "operator tokens' calls naming none)."),
     approval_timeout: float = typer.Option(
         60.0, "--approval-timeout", callback=lambda v: positive_seconds(v),
         help="Seconds a call waits for a person before it answers that it awaits approval."),
@@ -243,6 +244,15 @@ def mcp(
     page_url: str | None = typer.Option(
         None, "--page-url", envvar="DEX_MCP_PAGE_URL",
         help="The API's public address, for the approval page's link in results."),
+    max_sessions: int = typer.Option(
+        10_000, "--max-sessions", min=1, help="MCP sessions open at once, all tokens (--http)."),
+    max_sessions_per_token: int = typer.Option(
+        16, "--max-sessions-per-token", min=1,
+        help="MCP sessions one token may hold open; past it, 429 (--http)."),
+    max_requests_per_token: int = typer.Option(
+        32, "--max-requests-per-token", min=1,
+        help="Requests of one token in progress at once (a tools/call waiting for approval "
+             "is one); past it, 429 (--http)."),
     loglevel: str = typer.Option("WARNING", "--loglevel", "-l"),
     log_format: str = LOG_FORMAT_OPTION,
 ) -> None:
@@ -253,7 +263,9 @@ def mcp(
     setup_process_logging(log_format, loglevel, secret_or_none(settings), celery=False)
     serve(settings, http=http, host=host, port=port, session_id=session,
           approval_timeout=approval_timeout, call_timeout=call_timeout, page_url=page_url,
-          log_level=loglevel.lower())
+          log_level=loglevel.lower(), max_sessions=max_sessions,
+          max_sessions_per_token=max_sessions_per_token,
+          max_requests_per_token=max_requests_per_token)
 
 
 SERVERS_GROUP = "dex_tasks.servers"
