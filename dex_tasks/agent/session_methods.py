@@ -111,6 +111,8 @@ class SessionMethods:
         approver: str | None = None,
         arguments: Mapping[str, Any] | None = None,
         permissions: Sequence[str] | None = None,
+        arguments_version: str | None = None,
+        identity: str | None = None,
     ) -> bool:
         """Approve or reject a pending call; True if this call decided, False otherwise.
 
@@ -120,12 +122,17 @@ class SessionMethods:
         its error, where the model reads it. ``arguments``: approve with these instead (edit
         on approval; checked against the tool's schema). ``permissions``: what the approver
         holds, for a policy that names an ``approver_permission`` (see
-        ``agent.approvals.resolve_interrupt``).
+        ``agent.approvals.resolve_interrupt``). ``arguments_version``: the
+        ``PendingInterrupt.arguments_version`` the approver saw; an approval of a version
+        edited meanwhile raises ``StaleApprovalError`` and changes nothing. ``identity``: who
+        decides, compared with who made the call (default: ``approver``); the caller's own
+        decision raises ``SelfApprovalError`` unless the policy allows self-approval.
         """
         return approvals.resolve_interrupt(
             self.store, self.app, session_id, interrupt_id, approved,
             rejection_message=rejection_message, approver=approver,
-            arguments=arguments, permissions=permissions,
+            arguments=arguments, permissions=permissions, arguments_version=arguments_version,
+            identity=identity,
         )
 
     def why_not_resolved(self, session_id: str, interrupt_id: str) -> str | None:
