@@ -25,8 +25,8 @@ from tests.helpers import wait_until
 
 SECRET = "whsec-isolation"
 CALLS = 10
-# The budget from the approvals to the last tool's end. Ten tiny calls on two slots take a few
-# hundred milliseconds; a delivery holding a slot costs the whole deadline (3 s) per delivery.
+# The budget from each call's approval to its tool's end. Ten tiny calls on two slots take a
+# few hundred milliseconds; a delivery holding a slot costs a call the whole deadline (3 s).
 BUDGET_SECONDS = 2.0
 DEADLINE_SECONDS = 3.0
 TRICKLE_EVERY_SECONDS = 1.0
@@ -109,16 +109,20 @@ def test_a_slow_receiver_never_delays_approved_calls_and_gets_every_event_later(
         assert {c.status.value for c in calls} == {"awaiting_approval"}
         wait_until(lambda: slow_receiver.stalled >= 2, 30, "deliveries to stall")
         # When a person approves all ten (ten more events for the stalled receiver)
-        approved_at = time.time()
+        approved_at = {}
         for call in calls:
+            approved_at[call.key] = time.time()
             assert client.resolve_interrupt("s-slow", call.interrupt_id or "", True,
                                             approver="alice")
-        # Then every call runs within the budget: no delivery holds a slot a call could use
+        # Then every call runs within the budget of its approval: no delivery holds a slot a
+        # call could use
         done = [client.wait(c.key, timeout=60) for c in calls]
         assert {d.status.value for d in done} == {"succeeded"}
-        last_end = max(d.finished_at.timestamp() for d in done if d.finished_at is not None)
-        assert last_end - approved_at < BUDGET_SECONDS, (
-            f"the approved calls took {last_end - approved_at:.2f}s to run")
+        waited = max(d.finished_at.timestamp() - approved_at[d.key] for d in done
+                     if d.finished_at is not None)
+        print(f"receiver {slow_receiver.mode}: each of {CALLS} approved calls ended within "
+              f"{waited:.2f}s of its approval")
+        assert waited < BUDGET_SECONDS, f"an approved call took {waited:.2f}s to run"
         # And each attempt was cut off by its total deadline, not left to run on
         wait_until(lambda: any(r["attempts"] >= 1 for r in outbox.list_deliveries(
             client.store, limit=100)), 30, "a first attempt to be recorded")
