@@ -40,7 +40,8 @@ class Runtime:
         # waiters need no read of the store.
         secret = self.settings.secret_key
         notify.install(self.store, self.settings.redis_url, connector(self.settings),
-                       secret.get_secret_value() if secret is not None else None)
+                       claim_ended_ttl=self.settings.claim_ended_ttl_seconds,
+                       secret=secret.get_secret_value() if secret is not None else None)
         # Approval events it writes (the deadline sweeps) are sent as webhooks after commit.
         webhooks.install(self.store, self.settings, lambda: self.app)
 
