@@ -269,7 +269,10 @@ def test_a_worker_whose_claim_or_ending_lost_its_answer_runs_the_tool_once(
         assert events[key] == ["queued", "running", "succeeded"]
     assert sorted(tool_messages) == sorted(finals)
     assert ledger.executions(ledger_path) == {key: 1 for key in finals}
-    assert worker.log().count("store_commit_recovered") == len(finals)
+    # Every write whose answer was lost was recognised, none written twice. The read's first
+    # statement holding its key is a read (a retrying call stores no claim: DESIGN v4), which
+    # is simply run again: one recovered write fewer than calls.
+    assert worker.log().count("store_commit_recovered") == len(finals) - 1
 
 
 def test_the_client_and_workers_recover_when_the_server_closes_idle_connections(
