@@ -38,6 +38,7 @@ from sqlalchemy import create_engine, func, select, text
 
 from dex_tasks import DexClient, DexSettings
 from dex_tasks.broker import routing
+from dex_tasks.broker.metrics import shown_runs
 from dex_tasks.ops.procutil import dex_command, wait_until
 from dex_tasks.states import TERMINAL, CallStatus
 from dex_tasks.store import CALLS, MESSAGES
@@ -338,7 +339,11 @@ def lost_in_transaction(lab: Lab, *, load_after: float = 30.0) -> Result:
             backend = wait_until(lambda: _waiting_on_advisory(holder), 30,
                                  "a worker to wait inside its terminal transaction", 0.05)
             owner = lab.client.store.get_call(key)
-            worker = str(owner.worker if owner else "")
+            worker = str(owner.worker if owner and owner.worker else "")
+            if not worker:
+                # A retrying call runs leased in Redis, its owner there (DESIGN v4).
+                run = shown_runs(lab.client.settings).get(key)
+                worker = run.worker if run else ""
             lost = next(h for h in hosts if any(f"dex-{p.pid}@" in worker for p in h.procs))
             fault = lost.cut()
             holder.commit()  # the lost worker's statement goes on, its answer into the void
