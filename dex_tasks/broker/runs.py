@@ -212,6 +212,10 @@ class Runs:
                                  float(started) if started is not None else None)
         return found
 
+    def running(self) -> dict[str, Run]:
+        """Every attempt running now, by key."""
+        return self.get_many(_text(k) for k in self.client.zrange(RUNS_KEY, 0, -1))
+
     def attempts(self, key: str) -> int:
         """The attempts counted for ``key`` in Redis (0 when none, or when Redis lost it)."""
         raw = self.client.get(attempts_key(key))
