@@ -366,6 +366,26 @@ def gap(
          console=console)
 
 
+@app.command()
+def pgindex(
+    calls: int = typer.Option(300, "--calls", min=1, help="Calls per variant per round."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds (variants alternate)."),
+    postgres_url: str | None = typer.Option(
+        None, "--postgres-url", help="Admin URL of a server that preloads pg_stat_statements "
+                                     "and auto_explain (default: a private server)."),
+    ended: int = typer.Option(50_000, "--ended", min=0,
+                              help="Ended calls in the store when the reads are explained."),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """PostgreSQL per call: each hot statement's and each index's cost; the reads' plans."""
+    from bench.pgindex import run_pgindex
+
+    command = _command("pgindex", {"--calls": calls, "--rounds": rounds, "--ended": ended,
+                                   "--postgres-url": postgres_url and "URL"})
+    _run(run_pgindex, calls=calls, rounds=rounds, postgres_url=postgres_url,
+         populate_ended=ended, command=command, out_dir=_out(out), console=console)
+
+
 @app.command(name="all")
 def all_(
     quick: bool = typer.Option(False, "--quick",

@@ -135,20 +135,24 @@ class Run:
 # -- the servers --------------------------------------------------------------------------------
 
 
+PRIVATE_SETTINGS = {"shared_preload_libraries": "pg_stat_statements", "max_connections": "200"}
+
+
 @contextmanager
-def private_postgres(workdir: Path) -> Iterator[tuple[str, int]]:
-    """A private PostgreSQL with pg_stat_statements loaded: (admin URL, postmaster PID)."""
+def private_postgres(workdir: Path, settings: dict[str, str] | None = None,
+                     ) -> Iterator[tuple[str, int, Callable[[], str]]]:
+    """A private PostgreSQL (pg_stat_statements loaded, unless ``settings`` say otherwise):
+    (admin URL, postmaster PID, a reader of its log)."""
     from tests.postgres_server import PostgresServer
 
-    server = PostgresServer({"shared_preload_libraries": "pg_stat_statements",
-                             "max_connections": "200"})
+    server = PostgresServer({**PRIVATE_SETTINGS, **(settings or {})})
     try:
         server.start()
     except (RuntimeError, OSError) as err:
         raise BenchError(f"could not start a private PostgreSQL: {err}") from err
     try:
         assert server.proc is not None
-        yield server.url("postgres"), server.proc.pid
+        yield server.url("postgres"), server.proc.pid, server.log
     finally:
         server.stop()
 
@@ -390,7 +394,7 @@ def postgres_for(kind: str, postgres_url: str | None,
     elif postgres_url:
         yield postgres_url, None
     else:
-        with private_postgres(workdir) as (url, pid):
+        with private_postgres(workdir) as (url, pid, _log):
             yield url, pid
 
 
