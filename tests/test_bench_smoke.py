@@ -256,3 +256,25 @@ def test_designs_shape_spreads_calls_round_robin_with_a_turn_each() -> None:
     # the old benchmark: ten consecutive calls per session, all in one turn
     assert [OLD.place(i) for i in (0, 9, 10, 499)] == [
         ("s0", "t"), ("s0", "t"), ("s1", "t"), ("s49", "t")]
+
+
+def test_pgindex_costs_each_hot_statement_and_index_and_explains_the_reads(
+    tmp_path: Path,
+) -> None:
+    from bench.pgindex import read_queries, run_pgindex
+
+    # a private PostgreSQL with pg_stat_statements and auto_explain (the machine's binaries)
+    data = _written(run_pgindex(calls=3, rounds=1, postgres_url=None, populate_ended=200,
+                                command="python -m bench pgindex --calls 3", out_dir=tmp_path,
+                                console=_quiet()), tmp_path)
+
+    assert data["indexes"][0]["variant"] == "baseline"
+    assert data["indexes"][0]["per_call_wal_bytes"] > 0
+    names = {r["index"] for r in data["indexes"][1:]}
+    assert {"ix_dex_calls_status_lease", "ux_dex_messages_key"} <= names
+    # the partial indexes are measured against their full form as well
+    assert any(r["variant"] == "ix_dex_calls_status_lease full" for r in data["indexes"])
+    assert data["statements"] and all(s["calls_per_call"] > 0 for s in data["statements"])
+    assert any("dex_tool_calls" in plan for plan in data["hot_plans"])
+    assert [r["query"] for r in data["read_plans"]] == list(read_queries(0.0))
+    assert all(r["custom"] and r["generic"] for r in data["read_plans"])
