@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from dex_tasks.broker.metrics import open_calls_query
 from dex_tasks.states import TERMINAL, CallStatus
 from dex_tasks.store import CALLS, EVENTS, MESSAGES, Store
 from dex_tasks.store.prune import candidates
+from dex_tasks.store.records import ToolCallRecord
 
 OWNER = "bench@host:1"
 HOT_TABLES = (CALLS.name, EVENTS.name, MESSAGES.name)
@@ -195,6 +196,32 @@ def _per_statement(runs: list[dict[str, Any]], calls: int) -> list[dict[str, Any
                         sum(int(s["shared_blks_dirtied"]) for s in seen) / n, 2),
                     "wal_bytes_per_exec": round(sum(int(s["wal_bytes"]) for s in seen) / n)})
     return sorted(out, key=lambda s: -s["mean_ms"] * s["calls_per_call"])
+
+
+def time_record_reads(store: Store, key: str, n: int = 500, rounds: int = 5) -> dict[str, float]:
+    """``get_tool_call``'s read two ways, interleaved, best of ``rounds`` (µs per read): the
+    store row validated into a ``ToolCallRow`` then the record, and the record built from the
+    plain columns (what ``get_tool_call`` does since issue 29)."""
+    def orm() -> ToolCallRecord:
+        row = store.get_call(key)
+        assert row is not None
+        return ToolCallRecord.from_row(row)
+
+    def plain() -> ToolCallRecord:
+        row = store.get_call_columns(key)
+        assert row is not None
+        return ToolCallRecord.from_mapping(row)
+
+    ways: dict[str, Callable[[], ToolCallRecord]] = {
+        "ToolCallRow then record": orm, "plain columns then record": plain}
+    best = {name: float("inf") for name in ways}
+    for _ in range(rounds):
+        for name, read in ways.items():
+            start = time.perf_counter()
+            for _ in range(n):
+                read()
+            best[name] = min(best[name], (time.perf_counter() - start) / n * 1e6)
+    return {name: round(us, 1) for name, us in best.items()}
 
 
 # -- plans --------------------------------------------------------------------------------------
@@ -388,6 +415,7 @@ def run_pgindex(*, calls: int, rounds: int, postgres_url: str | None, populate_e
                     indexes, statements = measure_indexes(store, admin, calls, rounds,
                                                           console.log)
                     plans = hot_plans(store, admin, log) if log else []
+                    reads_us = time_record_reads(store, "warm/t/c0")
                     with store.write() as conn:
                         conn.execute(text(f"TRUNCATE {', '.join(HOT_TABLES)}"))
                     console.log(f"populating {populate_ended} ended calls")
@@ -402,9 +430,12 @@ def run_pgindex(*, calls: int, rounds: int, postgres_url: str | None, populate_e
     print_statements(console, statements)
     print_indexes(console, indexes)
     print_reads(console, reads, populate_ended)
+    console.print("get_tool_call's read, µs (best of 5 x 500): " + ", ".join(
+        f"{name} {us:.0f}" for name, us in reads_us.items()))
     payload = {"command": command, "machine": machine,
                "config": {"calls": calls, "rounds": rounds, "populate_ended": populate_ended},
                "statements": statements, "indexes": indexes, "hot_plans": plans,
+               "record_read_us": reads_us,
                "read_plans": reads}
     return save_results("pgindex", payload, out_dir, console)
 

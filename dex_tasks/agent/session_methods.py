@@ -78,10 +78,10 @@ class SessionMethods:
 
     def get_tool_call(self, key: str) -> ToolCallRecord:
         """The call's record; :class:`CallNotFoundError` if no call has that key."""
-        row = self.store.get_call(key)
+        row = self.store.get_call_columns(key)
         if row is None:
             raise CallNotFoundError(key)
-        return ToolCallRecord.from_row(row)
+        return ToolCallRecord.from_mapping(row)
 
     def wait(self, key: str, timeout: float = 30.0) -> ToolCallRecord:
         """Block until the call is terminal and return it; ``TimeoutError`` after ``timeout``.
