@@ -98,86 +98,88 @@ def _reset(admin: Engine) -> None:
 
 
 def run_calls(store: Store, admin: Engine, calls: int, tag: str) -> dict[str, Any]:
-    """N calls' hot path; totals per call from pg_stat_statements, and the client's wall."""
+    """N calls' hot path: pg_stat_statements per statement, the WAL each relation was written
+    (pg_walinspect, by the relation of each record's first block), and the client's wall."""
     _reset(admin)
+    with admin.connect() as conn:
+        first = conn.execute(text("SELECT pg_current_wal_insert_lsn()")).scalar()
     start = time.perf_counter()
     for i in range(calls):
         hot_path(store, f"{tag}/t/c{i}")
     wall = time.perf_counter() - start
     stats = _stats(admin)
+    with admin.connect() as conn:
+        # (a synchronous commit ended each call, so its records are flushed)
+        last = conn.execute(text("SELECT pg_current_wal_flush_lsn()")).scalar()
+        rels = conn.execute(text(
+            "SELECT coalesce(c.relname, '(no relation: commits, ...)') AS rel, count(*) AS n, "
+            "sum(w.record_length) AS bytes FROM pg_get_wal_records_info(:a, :b) w "
+            "LEFT JOIN pg_class c ON c.relfilenode = "
+            "  (substring(w.block_ref from 'rel \\d+/\\d+/(\\d+)'))::oid "
+            "WHERE w.block_ref = '' OR w.block_ref ~ ('rel \\d+/' || "
+            "  (SELECT oid FROM pg_database WHERE datname = current_database()) || '/') "
+            "GROUP BY 1"), {"a": first, "b": last}).mappings().all()
     per = 1.0 / calls
     return {"wall_ms": wall * 1000 * per,
             "exec_ms": sum(float(s["total_exec_time"]) for s in stats) * per,
             "wal_bytes": sum(int(s["wal_bytes"]) for s in stats) * per,
-            "dirtied": sum(int(s["shared_blks_dirtied"]) for s in stats) * per,
-            "hit": sum(int(s["shared_blks_hit"]) for s in stats) * per,
+            "relations": {r["rel"]: (int(r["n"]) * per, int(r["bytes"]) * per) for r in rels},
             "statements": stats}
 
 
-def secondary_indexes(engine: Engine) -> list[tuple[str, str, str]]:
-    """(table, index, definition) of every non-primary-key index of the hot tables."""
+def partial_indexes(engine: Engine) -> list[tuple[str, str]]:
+    """(index, definition) of every partial index of the hot tables."""
     with engine.connect() as conn:
         rows = conn.execute(text(
-            "SELECT t.relname, i.relname, pg_get_indexdef(x.indexrelid) FROM pg_index x "
+            "SELECT i.relname, pg_get_indexdef(x.indexrelid) FROM pg_index x "
             "JOIN pg_class i ON i.oid = x.indexrelid JOIN pg_class t ON t.oid = x.indrelid "
-            "WHERE t.relname = ANY(:tables) AND NOT x.indisprimary ORDER BY 1, 2"),
+            "WHERE t.relname = ANY(:tables) AND x.indpred IS NOT NULL ORDER BY 1"),
             {"tables": list(HOT_TABLES)}).all()
-    return [(r[0], r[1], r[2]) for r in rows]
+    return [(r[0], r[1]) for r in rows]
 
 
-@contextmanager
-def changed_index(engine: Engine, name: str, definition: str,
-                  replacement: str | None) -> Iterator[None]:
-    """Index ``name`` dropped (or replaced by ``replacement``) inside the block, then restored."""
+def set_partial(engine: Engine, indexes: list[tuple[str, str]], partial: bool) -> None:
+    """The partial indexes as they are (head) or in their full form (migration 0009's)."""
     with engine.begin() as conn:
-        conn.execute(text(f'DROP INDEX "{name}"'))
-        if replacement:
-            conn.execute(text(replacement))
-    try:
-        yield
-    finally:
-        with engine.begin() as conn:
-            if replacement:
-                conn.execute(text(f'DROP INDEX "{name}"'))
-            conn.execute(text(definition))
+        for name, definition in indexes:
+            conn.execute(text(f'DROP INDEX "{name}"'))
+            conn.execute(text(definition if partial else definition.split(" WHERE ")[0]))
+
+
+SCHEMAS = ("head: partial", "0009: full")
 
 
 def measure_indexes(store: Store, admin: Engine, calls: int, rounds: int,
-                    say: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The baseline's statements, and each index's cost (baseline minus without it)."""
-    indexes = secondary_indexes(store.engine)
-    variants: list[tuple[str, str, str, str | None]] = [("baseline", "", "", None)]
-    for _table, name, definition in indexes:
-        variants.append((f"without {name}", name, definition, None))
-        if " WHERE " in definition:
-            variants.append((f"{name} full", name, definition, definition.split(" WHERE ")[0]))
-    results: dict[str, list[dict[str, Any]]] = {v[0]: [] for v in variants}
+                    say: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
+                                       dict[str, Any]]:
+    """Per relation (table or index) of the hot path: WAL records and bytes per call, with the
+    partial indexes (head) and with their full forms (0009), rounds alternating; the
+    statements (head); totals per schema."""
+    partial = partial_indexes(store.engine)
+    runs: dict[str, list[dict[str, Any]]] = {schema: [] for schema in SCHEMAS}
     hot_path(store, "warm/t/c0")
     for rnd in range(rounds):
-        order = variants if rnd % 2 == 0 else variants[::-1]
-        for label, name, definition, replacement in order:
-            say(f"indexes round {rnd + 1}/{rounds}: {label}")
-            tag = f"r{rnd}-{len(results[label])}-{label.replace(' ', '_')}"
-            if not name:
-                results[label].append(run_calls(store, admin, calls, tag))
-                continue
-            with changed_index(store.engine, name, definition, replacement):
-                results[label].append(run_calls(store, admin, calls, tag))
-    base = {k: median([r[k] for r in results["baseline"]])
-            for k in ("wall_ms", "exec_ms", "wal_bytes", "dirtied")}
+        for schema in SCHEMAS if rnd % 2 == 0 else SCHEMAS[::-1]:
+            say(f"indexes round {rnd + 1}/{rounds}: {schema}")
+            set_partial(store.engine, partial, schema == SCHEMAS[0])
+            runs[schema].append(run_calls(store, admin, calls, f"r{rnd}-{schema[:4]}"))
+    set_partial(store.engine, partial, True)
+    names = sorted({rel for group in runs.values() for run in group for rel in run["relations"]})
     rows = []
-    for label, name, definition, replacement in variants[1:]:
-        got = {k: median([r[k] for r in results[label]]) for k in base}
-        table = next(t for t, n, _ in indexes if n == name)
-        rows.append({"index": name, "table": table, "variant": label,
-                     "definition": replacement or definition,
-                     **{f"cost_{k}": round(base[k] - got[k], 4) for k in base},
-                     "rounds_exec_ms": [round(r["exec_ms"], 4) for r in results[label]]})
-    rows.insert(0, {"index": "(all)", "table": "", "variant": "baseline", "definition": "",
-                    **{f"per_call_{k}": round(v, 4) for k, v in base.items()},
-                    "rounds_exec_ms": [round(r["exec_ms"], 4) for r in results["baseline"]]})
-    statements = _per_statement(results["baseline"], calls)
-    return rows, statements
+    for rel in names:
+        row: dict[str, Any] = {"relation": rel, "partial_at_head": rel in dict(partial)}
+        for schema, group in runs.items():
+            key = "head" if schema == SCHEMAS[0] else "full"
+            row[f"{key}_records"] = round(median(
+                [run["relations"].get(rel, (0, 0))[0] for run in group]), 2)
+            row[f"{key}_bytes"] = round(median(
+                [run["relations"].get(rel, (0, 0))[1] for run in group]), 1)
+        rows.append(row)
+    totals = {("head" if schema == SCHEMAS[0] else "full"): {
+        k: round(median([run[k] for run in group]), 4) for k in ("wall_ms", "exec_ms",
+                                                                  "wal_bytes")}
+        for schema, group in runs.items()}
+    return rows, _per_statement(runs[SCHEMAS[0]], calls), totals
 
 
 def _per_statement(runs: list[dict[str, Any]], calls: int) -> list[dict[str, Any]]:
@@ -412,8 +414,9 @@ def run_pgindex(*, calls: int, rounds: int, postgres_url: str | None, populate_e
                 try:
                     with admin.connect() as conn:
                         conn.execute(text("CREATE EXTENSION IF NOT EXISTS pg_stat_statements"))
-                    indexes, statements = measure_indexes(store, admin, calls, rounds,
-                                                          console.log)
+                        conn.execute(text("CREATE EXTENSION IF NOT EXISTS pg_walinspect"))
+                    indexes, statements, totals = measure_indexes(store, admin, calls, rounds,
+                                                                  console.log)
                     plans = hot_plans(store, admin, log) if log else []
                     reads_us = time_record_reads(store, "warm/t/c0")
                     with store.write() as conn:
@@ -428,13 +431,14 @@ def run_pgindex(*, calls: int, rounds: int, postgres_url: str | None, populate_e
         shutil.rmtree(workdir, ignore_errors=True)
     console.print(f"[bold]{command}[/bold]")
     print_statements(console, statements)
-    print_indexes(console, indexes)
+    print_indexes(console, indexes, totals)
     print_reads(console, reads, populate_ended)
     console.print("get_tool_call's read, µs (best of 5 x 500): " + ", ".join(
         f"{name} {us:.0f}" for name, us in reads_us.items()))
     payload = {"command": command, "machine": machine,
                "config": {"calls": calls, "rounds": rounds, "populate_ended": populate_ended},
-               "statements": statements, "indexes": indexes, "hot_plans": plans,
+               "statements": statements, "relations": indexes, "totals": totals,
+               "hot_plans": plans,
                "record_read_us": reads_us,
                "read_plans": reads}
     return save_results("pgindex", payload, out_dir, console)
@@ -462,22 +466,22 @@ def print_statements(console: Console, rows: list[dict[str, Any]]) -> None:
     console.print(table)
 
 
-def print_indexes(console: Console, rows: list[dict[str, Any]]) -> None:
-    base = rows[0]
-    table = Table(title=f"Each index's cost per call of the hot path (all indexes: "
-                        f"{base['per_call_exec_ms']:.3f} ms executing, "
-                        f"{base['per_call_wal_bytes']:.0f} WAL bytes, "
-                        f"{base['per_call_wall_ms']:.2f} ms by the client's clock)",
-                  caption="cost: with the index minus without it (or, for 'full', the partial "
-                          "index minus the full one: negative = the partial form saves); "
-                          "medians of the rounds")
-    for column in ("index", "variant", "WAL B", "exec ms", "client ms", "dirtied"):
-        table.add_column(column, justify="left" if column in ("index", "variant") else "right")
-    for r in rows[1:]:
-        table.add_row(r["index"], "partial vs full" if r["variant"].endswith("full")
-                      else "dropped",
-                      f"{r['cost_wal_bytes']:.0f}", f"{r['cost_exec_ms']:.4f}",
-                      f"{r['cost_wall_ms']:.3f}", f"{r['cost_dirtied']:.2f}")
+def print_indexes(console: Console, rows: list[dict[str, Any]],
+                  totals: dict[str, Any]) -> None:
+    head, full = totals["head"], totals["full"]
+    table = Table(title="WAL per call of the hot path by relation (pg_walinspect): with the "
+                        "partial indexes (head) and with their full forms (0009)",
+                  caption=f"per call: head {head['wal_bytes']:.0f} WAL bytes, "
+                          f"{head['exec_ms']:.3f} ms executing, {head['wall_ms']:.2f} ms by "
+                          f"the client's clock; 0009 {full['wal_bytes']:.0f} B, "
+                          f"{full['exec_ms']:.3f} ms, {full['wall_ms']:.2f} ms (medians of the "
+                          "rounds; time is noisy on a shared machine, WAL is exact)")
+    for column in ("relation", "records head", "bytes head", "records 0009", "bytes 0009"):
+        table.add_column(column, justify="left" if column == "relation" else "right")
+    for r in rows:
+        table.add_row(r["relation"] + (" (partial)" if r["partial_at_head"] else ""),
+                      f"{r['head_records']:.2f}", f"{r['head_bytes']:.0f}",
+                      f"{r['full_records']:.2f}", f"{r['full_bytes']:.0f}")
     console.print(table)
 
 
