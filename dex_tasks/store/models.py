@@ -63,7 +63,8 @@ class ToolCallRow(SQLModel, table=True):
         # outcome_unknown calls in finish order. (It replaces an index on status alone, which
         # these three made redundant.)
         # Partial (migration 0010): only ended calls, so the insert and the claim write no
-        # entry; prune's ``finished_at < ?`` and the reconcilers' keyset implies it.
+        # entry; prune's ``finished_at < ?`` and the reconcilers' keyset (after their first
+        # page, which reads the few outcome_unknown calls by status) imply the predicate.
         Index("ix_dex_calls_status_finished", "status", "finished_at",
               postgresql_where=text("finished_at IS NOT NULL"),
               sqlite_where=text("finished_at IS NOT NULL")),

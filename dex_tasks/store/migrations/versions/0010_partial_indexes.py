@@ -10,7 +10,8 @@ on it and the path skips them:
 - ``ix_dex_calls_status_lease`` WHERE ``lease_expires_at IS NOT NULL``: the reaper reads
   ``status = 'running' AND lease_expires_at < ?``; the insert and the end hold no lease;
 - ``ix_dex_calls_status_finished`` WHERE ``finished_at IS NOT NULL``: prune and the
-  reconcilers read ended calls by finish time; the insert and the claim are not ended;
+  reconcilers read ended calls by finish time (their first page reads the few outcome_unknown
+  calls by status); the insert and the claim are not ended;
 - ``ix_dex_messages_status_session`` WHERE ``status IS NOT NULL``: delivery reads queued user
   messages; a call's tool message has no status;
 - ``ux_dex_messages_step`` WHERE ``step IS NOT NULL``: one journaled response per step; rows
