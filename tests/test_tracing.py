@@ -8,6 +8,9 @@ trace, under the agent's own span, whichever process made it and however much la
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -105,7 +108,8 @@ def test_an_approval_decided_later_by_the_api_joins_the_agents_trace(
                                       tool="refund_payment",
                                       arguments={"charge_id": "ch_1", "amount_cents": 500})
         trace_id = f"{step.get_span_context().trace_id:032x}"
-        call_span = one(agent.spans(), "call_tool refund_payment")
+        mine = agent.spans()
+        call_span = one(mine, "call_tool refund_payment")
     assert record.status is CallStatus.AWAITING_APPROVAL
     assert call_span.attributes["dex.requires_approval"] is True
 
@@ -125,6 +129,10 @@ def test_an_approval_decided_later_by_the_api_joins_the_agents_trace(
                              "end refund_payment"} <= names else None
 
         theirs = wait_until(all_spans, 30, "the API's and the worker's spans")
+    # docs/images/trace-approval.png is rendered from these (python -m bench.waterfall)
+    if os.environ.get("DEX_TRACE_DUMP"):
+        Path(os.environ["DEX_TRACE_DUMP"]).write_text(json.dumps(
+            [dataclasses.asdict(s) for s in [*mine, *theirs]], indent=1))
 
     # Then the wait and the decision are in the agent's trace, made by the API, with who decided
     waited = one(theirs, "await_approval refund_payment")

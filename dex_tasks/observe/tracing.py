@@ -64,6 +64,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 # may configure OpenTelemetry after importing dex-tasks). False: OpenTelemetry is not installed.
 _tracer: Any = None
 _provider: TracerProvider | None = None
+_trace_api: Any = None  # the opentelemetry.trace module, once imported
 
 
 def set_tracer_provider(provider: TracerProvider | None) -> None:
@@ -82,14 +83,17 @@ def tracer() -> Tracer | None:
     Cheap: after the first call, one global read when tracing is off for good (no
     OpenTelemetry) or on (a provider was set); a look at the global provider otherwise.
     """
-    global _tracer
+    global _tracer, _trace_api
     if _tracer is not None:
         return _tracer or None
-    try:
-        from opentelemetry import trace
-    except ImportError:
-        _tracer = False
-        return None
+    trace = _trace_api
+    if trace is None:
+        try:
+            from opentelemetry import trace
+        except ImportError:
+            _tracer = False
+            return None
+        _trace_api = trace
     provider = _provider or trace.get_tracer_provider()
     # The API's defaults until the process configures a provider: tracing stays off (and is
     # looked up again at the next hook, since a provider may be configured later).
