@@ -84,7 +84,14 @@ class DexSettings(BaseSettings):
     )
     claim_ttl_seconds: int = Field(
         default=30 * 24 * 3600, gt=0,
-        description="TTL of the Redis claim key of a single-attempt call.",
+        description="TTL of the Redis claim key of a single-attempt call while it has not "
+                    "ended.",
+    )
+    claim_ended_ttl_seconds: int = Field(
+        default=60, gt=0,
+        description="What is left of a single-attempt call's Redis claim once the call has "
+                    "ended (the store's ended record refuses a second claim by itself, so Redis "
+                    "keeps claims of calls in flight, not of a month's calls).",
     )
     sweep_interval_seconds: float = Field(
         default=10.0, gt=0,

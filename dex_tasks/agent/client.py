@@ -114,8 +114,9 @@ class DexClient(SessionMethods):
             raise
         # Calls this client ends (a rejection, invalid arguments, a failed publish) wake their
         # waiters and are counted like the ones workers end.
-        self._notifier = notify.install(self.store, self.settings.redis_url,
-                                        connector(self.settings))
+        self._notifier = notify.install(
+            self.store, self.settings.redis_url, connector(self.settings),
+            claim_ended_ttl=self.settings.claim_ended_ttl_seconds)
         webhooks.install(self.store, self.settings, lambda: self.app)
         self._app: Celery | None = None
         self._catalog_cache: dict[str, tuple[float, catalog.ToolInfo]] = {}

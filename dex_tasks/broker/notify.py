@@ -45,6 +45,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from dex_tasks.broker.metrics import ENDED_KEY, count_ended, ended_counts
+from dex_tasks.broker.routing import CLAIM_KEY
+from dex_tasks.policy import EffectClass
 
 if TYPE_CHECKING:
     from dex_tasks.store import EndedCall, Store
@@ -69,8 +71,11 @@ SCRIPT_MAX_CALLS = 32
 sweep's) goes as a pipeline, so that no single script holds Redis for long."""
 
 ANNOUNCE_SCRIPT = """
-local n = tonumber(ARGV[1])
-local i = 2
+for k = 2, #KEYS do
+  redis.call('EXPIRE', KEYS[k], ARGV[1])
+end
+local n = tonumber(ARGV[2])
+local i = 3
 for _ = 1, n do
   redis.call('PUBLISH', ARGV[i], ARGV[i + 1])
   i = i + 2
@@ -86,13 +91,14 @@ while i < #ARGV do
   i = i + 2
 end
 """
-"""What a notifier runs for a few ended calls, in one command: ``PUBLISH`` of each call's status
-on its channel, then the ``HINCRBY`` and ``HINCRBYFLOAT`` counter updates of
-``metrics.ended_counts`` on ``KEYS[1]`` (:data:`metrics.ENDED_KEY`). ``ARGV``: the number of
-publishes and their (channel, status) pairs, the number of ``HINCRBY`` and their (field,
-amount) pairs, then (field, seconds) pairs. The same commands as the pipeline, for about half
-the client's CPU: a worker child announces every call it ends, and redis-py spends about as
-much CPU on each command of a pipeline as on the round trip of the whole."""
+"""What a notifier runs for a few ended calls, in one command: ``EXPIRE`` of the claims of the
+ended single-attempt calls (``KEYS[2:]``) to ``ARGV[1]`` seconds, ``PUBLISH`` of each call's
+status on its channel, then the ``HINCRBY`` and ``HINCRBYFLOAT`` counter updates of
+``metrics.ended_counts`` on ``KEYS[1]`` (:data:`metrics.ENDED_KEY`). ``ARGV`` after the TTL:
+the number of publishes and their (channel, status) pairs, the number of ``HINCRBY`` and their
+(field, amount) pairs, then (field, seconds) pairs. The same commands as the pipeline, for
+about half the client's CPU: a worker child announces every call it ends, and redis-py spends
+about as much CPU on each command of a pipeline as on the round trip of the whole."""
 
 ANNOUNCE_SHA = hashlib.sha1(ANNOUNCE_SCRIPT.encode()).hexdigest()
 """The SHA1 ``EVALSHA`` names :data:`ANNOUNCE_SCRIPT` by."""
@@ -112,6 +118,11 @@ def ended_channel(key: str) -> str:
     return CHANNEL_PREFIX + key
 
 
+def ended_claims(ended: Sequence[EndedCall]) -> list[str]:
+    """The Redis claim keys of the single-attempt calls among ``ended`` (only they have one)."""
+    return [CLAIM_KEY + call.key for call in ended if not EffectClass(call.effect).retrying]
+
+
 # -- sending ------------------------------------------------------------------------------------
 
 
@@ -124,10 +135,17 @@ class EndedNotifier:
 
     Up to :data:`SCRIPT_MAX_CALLS` calls go as one run of :data:`ANNOUNCE_SCRIPT` (``scripted``,
     the default, until Redis refuses scripts), more as a pipeline of the same commands.
+
+    The same round trip cuts the Redis claim of each ended single-attempt call to
+    ``claim_ended_ttl`` seconds: the store's ended record refuses a second claim by itself, so
+    the claim is only worth keeping while the call is in flight (a claim whose end was never
+    announced keeps its own TTL, and ``dex-tasks prune`` deletes it with its call).
     """
 
-    def __init__(self, target: str, connect: Connect, *, scripted: bool = True) -> None:
+    def __init__(self, target: str, connect: Connect, *, scripted: bool = True,
+                 claim_ended_ttl: int = 60) -> None:
         self.target = target
+        self.claim_ended_ttl = claim_ended_ttl
         self._connect = connect
         self._client: redis.Redis | None = None
         self._quiet_until = 0.0
@@ -176,7 +194,8 @@ class EndedNotifier:
         if Redis refused the script or it stopped on an error, and the pipeline is to be sent
         instead. Connection errors propagate, as the pipeline's do."""
         counts, totals = ended_counts(ended)
-        args: list[str | int | float] = [len(ended)]
+        keys = [ENDED_KEY, *ended_claims(ended)]
+        args: list[str | int | float] = [self.claim_ended_ttl, len(ended)]
         for call in ended:
             args += (ended_channel(call.key), call.status.value)
         args.append(len(counts))
@@ -189,12 +208,12 @@ class EndedNotifier:
         evalsha: Callable[..., Any] = client.execute_command
         try:
             try:
-                evalsha("EVALSHA", ANNOUNCE_SHA, 1, ENDED_KEY, *args)
+                evalsha("EVALSHA", ANNOUNCE_SHA, len(keys), *keys, *args)
             except redis.exceptions.NoScriptError:
                 # Not loaded on this server yet (first use, a restart, a failover): the
                 # script fails before it runs a command, so running it again repeats nothing.
                 client.script_load(ANNOUNCE_SCRIPT)
-                evalsha("EVALSHA", ANNOUNCE_SHA, 1, ENDED_KEY, *args)
+                evalsha("EVALSHA", ANNOUNCE_SHA, len(keys), *keys, *args)
         except redis.exceptions.ResponseError as err:
             # The pipeline's plain commands may still work. (A script stopped part-way, by a
             # wrong-typed counters hash or an out-of-memory Redis, had published first: the
@@ -213,6 +232,8 @@ class EndedNotifier:
     def _announce_pipelined(self, ended: Sequence[EndedCall]) -> None:
         """Announce and count ``ended`` in one pipeline of plain commands."""
         pipe = self.client.pipeline(transaction=False)
+        for key in ended_claims(ended):
+            pipe.expire(key, self.claim_ended_ttl)
         for call in ended:
             pipe.publish(ended_channel(call.key), call.status.value)
         count_ended(pipe, ended)
@@ -225,14 +246,18 @@ class EndedNotifier:
             self._client = None
 
 
-def install(store: Store, redis_url: str, connect: Connect | None = None) -> EndedNotifier:
+def install(store: Store, redis_url: str, connect: Connect | None = None, *,
+            claim_ended_ttl: int = 60) -> EndedNotifier:
     """Make every call ``store`` ends announced on the Redis at ``redis_url`` (and counted);
     returns the store's notifier (the one already installed for that Redis, if any).
-    ``connect`` makes its Redis clients (default: :func:`redis_connector` of the URL)."""
+    ``connect`` makes its Redis clients (default: :func:`redis_connector` of the URL);
+    ``claim_ended_ttl`` is what is left of an ended single-attempt call's claim
+    (``DexSettings.claim_ended_ttl_seconds``)."""
     for hook in store.ended_hooks():
         if isinstance(hook, EndedNotifier) and hook.target == redis_url:
             return hook
-    notifier = EndedNotifier(redis_url, connect or redis_connector(redis_url))
+    notifier = EndedNotifier(redis_url, connect or redis_connector(redis_url),
+                             claim_ended_ttl=claim_ended_ttl)
     store.on_calls_ended(notifier)
     return notifier
 

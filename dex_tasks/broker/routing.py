@@ -47,6 +47,9 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,100}")
 
 WORKER_KEY = "dex:worker:"
 HELD_KEY = "dex:held:"
+# A single-attempt call's Redis claim is CLAIM_KEY + its idempotency key (worker/claims.py
+# takes it; the notifier shortens it once the call has ended).
+CLAIM_KEY = "dex:claim:"
 # A worker whose keys were not refreshed for this many beats counts as gone.
 MISSED_BEATS = 5
 

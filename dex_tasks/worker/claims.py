@@ -1,10 +1,13 @@
 """Redis claims: the fast path in front of the store's claim of a single-attempt call.
 
-A claim is ``SET dex:claim:<key> <owner> NX EX <ttl>``. It is not released while its call is in
-the store: a key that ran is never run again. The store's compare-and-set stays the authority;
-the claim only keeps duplicate deliveries from reaching the store at all. ``dex-tasks prune``
-deletes the claims of the calls it deletes (:func:`forget`): their tombstones in the store
-keep them from running again, and a claim costs Redis memory for its whole TTL.
+A claim is ``SET dex:claim:<key> <owner> NX EX <ttl>``. It is not released while its call is
+open: a key that ran is never run again. The store's compare-and-set stays the authority; the
+claim only keeps duplicate deliveries from reaching the store at all. So once the call has
+ended (its ended record refuses any later claim by itself), the notifier that announces the end
+cuts what is left of the claim's life to ``claim_ended_ttl_seconds`` (``broker/notify.py``):
+Redis holds the claims of calls in flight and of the last minute's, not a month's (issue 30
+item 4). ``dex-tasks prune`` deletes the claims of the calls it deletes (:func:`forget`), for
+those whose end was never announced (Redis was down at the time).
 
 The claim is made after the message was acknowledged, so a claim that fails loses the message:
 it is tried again on fresh connections for a while first (a connection that a partition
@@ -23,7 +26,9 @@ from typing import Any
 
 import redis
 
-PREFIX = "dex:claim:"
+from dex_tasks.broker import routing
+
+PREFIX = routing.CLAIM_KEY
 # Pauses between tries of a claim whose connection failed: the first, and the longest.
 RETRY_FIRST_PAUSE = 0.1
 RETRY_MAX_PAUSE = 1.0
@@ -81,6 +86,15 @@ def read_claim(client: redis.Redis, idempotency_key: str) -> dict[str, Any] | No
     except ValueError:
         return {"owner": "?", "at": 0.0}
     return data if isinstance(data, dict) else {"owner": "?", "at": 0.0}
+
+
+def shorten(client: redis.Redis, idempotency_key: str, ttl: int) -> None:
+    """Cut what is left of a claim's life to ``ttl`` seconds (its call has ended). Best effort:
+    a claim left whole costs memory, never correctness."""
+    try:
+        client.expire(claim_key(idempotency_key), ttl)
+    except redis.RedisError:
+        log.debug("a claim's TTL was not shortened", exc_info=True)
 
 
 def forget(client: redis.Redis, idempotency_keys: list[str]) -> int:

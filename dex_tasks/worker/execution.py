@@ -65,6 +65,10 @@ def _claim_and_run(task: Task, rt: Runtime, key: str, owner: str, *, retrying: b
     claimed = claim(rt, key, owner)
     worker_spans.claimed(claimed)
     if not isinstance(claimed, tuple):
+        if claimed is None and not retrying:
+            # A late duplicate of an ended call took a fresh Redis claim (the ended call's
+            # had run out): it is worth no more than the ended call's own.
+            claims.shorten(rt.redis, key, rt.settings.claim_ended_ttl_seconds)
         _report_unclaimed(task, key, claimed)
         return
     call, tool, arguments = claimed

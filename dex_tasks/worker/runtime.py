@@ -28,7 +28,8 @@ class Runtime:
     def __post_init__(self) -> None:
         # Every runtime ends calls (worker children, the main process, sweeps): announce each
         # one on Redis after its commit, which wakes its waiters and counts it for /metrics.
-        notify.install(self.store, self.settings.redis_url, connector(self.settings))
+        notify.install(self.store, self.settings.redis_url, connector(self.settings),
+                       claim_ended_ttl=self.settings.claim_ended_ttl_seconds)
         # Approval events it writes (the deadline sweeps) are sent as webhooks after commit.
         webhooks.install(self.store, self.settings, lambda: self.app)
 
