@@ -197,3 +197,35 @@ def test_untraced_calls_carry_no_context(client: DexClient, start_worker: StartW
     stored = client.store.get_call(record.key)
     assert stored is not None and stored.trace_context is None
     assert tracing.message_headers(stored) is None
+
+
+def test_a_retry_is_another_delivery_in_the_same_trace(
+    client: DexClient, start_worker: StartWorker, otlp: Receiver,
+) -> None:
+    # Given a traced read whose tool fails transiently once (Celery's Task.retry sends the
+    # next message: it must keep the trace context)
+    start_worker(extra_env=otlp.env())
+    with traced_agent() as agent:
+        with agent.tracer.start_as_current_span("agent step") as step:
+            record = client.call_tool(session_id=SESSION, turn_id="t3", tool_call_id="f1",
+                                      tool="flaky_lookup",
+                                      arguments={"order_id": "1001", "fail_times": 1})
+        call_span = one(agent.spans(), "call_tool flaky_lookup")
+    assert client.wait(record.key, timeout=30).status is CallStatus.SUCCEEDED
+    trace_id = f"{step.get_span_context().trace_id:032x}"
+
+    # Then both deliveries are under call_tool: the first ends queued (a retry), the second
+    # succeeds, each with its own attempt
+    def two_ends() -> list[Span] | None:
+        spans = _of_trace(otlp.spans, trace_id)
+        return spans if sum(s.name == "end flaky_lookup" for s in spans) == 2 else None
+
+    spans = wait_until(two_ends, 30, "both deliveries' spans")
+    runs = sorted((s for s in spans if s.name == "execute_tool flaky_lookup"),
+                  key=lambda s: s.start)
+    assert [r.attributes["dex.attempt"] for r in runs] == [1, 2]
+    assert runs[0].error and runs[0].attributes["error.type"] == "TransientToolError"
+    processes = sorted((s for s in spans if s.name == "process flaky_lookup"),
+                       key=lambda s: s.start)
+    assert [p.parent_id for p in processes] == [call_span.span_id] * 2
+    assert [p.attributes["dex.outcome"] for p in processes] == ["queued", "succeeded"]
