@@ -229,3 +229,22 @@ def test_a_retry_is_another_delivery_in_the_same_trace(
                        key=lambda s: s.start)
     assert [p.parent_id for p in processes] == [call_span.span_id] * 2
     assert [p.attributes["dex.outcome"] for p in processes] == ["queued", "succeeded"]
+
+
+def test_arguments_and_results_are_recorded_only_when_asked(
+    client: DexClient, start_worker: StartWorker, otlp: Receiver,
+) -> None:
+    # Given a worker with DEX_TRACE_TOOL_CONTENT on
+    start_worker(extra_env={**otlp.env(), "DEX_TRACE_TOOL_CONTENT": "true"})
+    with traced_agent() as agent:
+        with agent.tracer.start_as_current_span("agent step") as step:
+            record = client.call_tool(session_id=SESSION, turn_id="t4", tool_call_id="c1",
+                                      tool="lookup_order", arguments={"order_id": "1002"})
+    assert client.wait(record.key, timeout=30).status is CallStatus.SUCCEEDED
+    trace_id = f"{step.get_span_context().trace_id:032x}"
+    spans = wait_until(lambda: [s for s in _of_trace(otlp.spans, trace_id)
+                                if s.name == "execute_tool lookup_order"], 30, "the tool's span")
+    # Then the tool's span carries them, as GenAI's conventions name them
+    attributes = spans[0].attributes
+    assert json.loads(attributes["gen_ai.tool.call.arguments"])["order_id"] == "1002"
+    assert json.loads(attributes["gen_ai.tool.call.result"])["status"] == "processing"
