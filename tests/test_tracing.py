@@ -248,3 +248,39 @@ def test_arguments_and_results_are_recorded_only_when_asked(
     attributes = spans[0].attributes
     assert json.loads(attributes["gen_ai.tool.call.arguments"])["order_id"] == "1002"
     assert json.loads(attributes["gen_ai.tool.call.result"])["status"] == "processing"
+
+
+def test_call_tools_opens_one_span_per_call(
+    client: DexClient, start_worker: StartWorker, otlp: Receiver,
+) -> None:
+    # Given a turn's two parallel calls recorded at once (one transaction, one publish)
+    start_worker(extra_env=otlp.env())
+    with traced_agent() as agent:
+        with agent.tracer.start_as_current_span("agent step") as step:
+            records = client.call_tools(
+                [{"tool_call_id": "a", "tool": "lookup_order", "arguments": {"order_id": "1001"}},
+                 {"tool_call_id": "b", "tool": "lookup_order",
+                  "arguments": {"order_id": "1002"}}],
+                session_id=SESSION, turn_id="t5")
+        mine = agent.spans()
+    assert all(client.wait(r.key, timeout=30).status is CallStatus.SUCCEEDED for r in records)
+    step_id = f"{step.get_span_context().span_id:016x}"
+    trace_id = f"{step.get_span_context().trace_id:032x}"
+
+    # Then each call has its own call_tool span under the agent's, its own stored context,
+    # and its own delivery under it
+    spans = {s.attributes["gen_ai.tool.call.id"]: s for s in mine
+             if s.name == "call_tool lookup_order"}
+    assert sorted(spans) == ["a", "b"]
+    assert {s.parent_id for s in spans.values()} == {step_id}
+    for record in records:
+        stored = client.store.get_call(record.key)
+        assert stored is not None and stored.trace_context is not None
+        assert stored.trace_context.split("-")[2] == spans[record.tool_call_id].span_id
+
+    def deliveries() -> list[Span] | None:
+        found = [s for s in _of_trace(otlp.spans, trace_id) if s.name == "process lookup_order"]
+        return found if len(found) == 2 else None
+
+    processes = wait_until(deliveries, 30, "both deliveries")
+    assert {p.parent_id for p in processes} == {spans["a"].span_id, spans["b"].span_id}
