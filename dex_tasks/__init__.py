@@ -13,7 +13,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dex_tasks.agent.approvals import ApproverPermissionError, InvalidEditError
+    from dex_tasks.agent.approvals import (
+        ApproverPermissionError,
+        InvalidEditError,
+        SelfApprovalError,
+        StaleApprovalError,
+    )
     from dex_tasks.agent.async_client import AsyncDexClient
     from dex_tasks.agent.calls import ToolCallRequest, key_part
     from dex_tasks.agent.client import DexClient, idempotency_key
@@ -62,12 +67,14 @@ if TYPE_CHECKING:
         TurnStep,
     )
     from dex_tasks.store.transcript import tool_message_text
-    from dex_tasks.tokens import TokenClaims, issue_token, read_token, verify_token
+    from dex_tasks.tokens import TokenClaims, issue_token, read_token, token_identity, verify_token
     from dex_tasks.webhooks import WebhookSignatureError, verify_webhook
 _LAZY: dict[str, str] = {
     "ApprovalRule": "dex_tasks.rules",
     "ApproverPermissionError": "dex_tasks.agent.approvals",
+    "SelfApprovalError": "dex_tasks.agent.approvals",
     "InvalidEditError": "dex_tasks.agent.approvals",
+    "StaleApprovalError": "dex_tasks.agent.approvals",
     "RuleError": "dex_tasks.rules",
     "WebhookSignatureError": "dex_tasks.webhooks",
     "verify_webhook": "dex_tasks.webhooks",
@@ -125,6 +132,7 @@ _LAZY: dict[str, str] = {
     "issue_token": "dex_tasks.tokens",
     "key_part": "dex_tasks.agent.calls",
     "read_token": "dex_tasks.tokens",
+    "token_identity": "dex_tasks.tokens",
     "verify_token": "dex_tasks.tokens",
 }
 """Each public name and the module that defines it."""
@@ -162,7 +170,9 @@ __all__ = [
     "PrunedCallError",
     "RuleError",
     "SchemaOutOfDateError",
+    "SelfApprovalError",
     "SessionMessage",
+    "StaleApprovalError",
     "StoreRefusedError",
     "StoreUnavailableError",
     "TokenClaims",
@@ -186,6 +196,7 @@ __all__ = [
     "read_token",
     "report_unknown_outcomes",
     "report_unknown_outcomes_sync",
+    "token_identity",
     "tool",
     "tool_message_text",
     "verify_token",

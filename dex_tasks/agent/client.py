@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import ValidationError
 
+from dex_tasks.agent import hints
 from dex_tasks.agent.calls import (
     NewCall,
     ToolCallRequest,
@@ -22,6 +23,7 @@ from dex_tasks.agent.calls import (
     checked_arguments,
     idempotency_key,
     new_call,
+    normalized_json,
     request_options,
     same_call,
 )
@@ -32,6 +34,7 @@ from dex_tasks.errors import (
     UnknownToolError,
 )
 from dex_tasks.lazy import Deferred
+from dex_tasks.limits import APPROVER_MAX, check_id
 from dex_tasks.observe.tracing import traced_request
 from dex_tasks.policy import EffectClass, seconds
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
@@ -91,7 +94,8 @@ class DexClient(SessionMethods):
     The session's reads, waits, approvals, messages and durable turns are inherited from
     :class:`~dex_tasks.agent.session_methods.SessionMethods`."""
 
-    def __init__(self, settings: DexSettings | None = None, *, create_tables: bool = True) -> None:
+    def __init__(self, settings: hints.DexSettings | None = None, *,
+                 create_tables: bool = True) -> None:
         self.settings = settings or DexSettings()
         # An agent process idles between turns, and the server (or a proxy) may close its
         # pooled connections meanwhile: one that sat idle a second is tested before use. The
@@ -127,14 +131,14 @@ class DexClient(SessionMethods):
         return cls(DexSettings())
 
     @property
-    def app(self) -> Celery:
+    def app(self) -> hints.Celery:
         """The Celery app used to publish (created on first use)."""
         if self._app is None:
             self._app = create_app(self.settings, publisher=True)
         return self._app
 
     @property
-    def checkpoints(self) -> Checkpoints:
+    def checkpoints(self) -> hints.Checkpoints:
         """LangGraph checkpoints kept in this client's store (what ``DexCheckpointer`` uses)."""
         return Checkpoints(self.store)
 
@@ -166,7 +170,8 @@ class DexClient(SessionMethods):
         default_effect: EffectClass | str | None = None,
         approval_deadline: float | timedelta | None = None,
         expires_in: float | timedelta | None = None,
-    ) -> ToolCallRecord:
+        requested_by: str | None = None,
+    ) -> hints.ToolCallRecord:
         """Record a tool call and start it (or hold it for approval); returns its record.
 
         Calling again with the same ids returns the same record without running anything; the
@@ -174,9 +179,13 @@ class DexClient(SessionMethods):
         ``default_effect`` is the session's default, used when the tool has neither a policy
         nor MCP hints. ``approval_deadline`` overrides the policy's (seconds from now);
         ``expires_in`` bounds how long the call may wait in the queue before it fails as
-        "did not run".
+        "did not run". ``requested_by`` names who makes the call (the MCP server passes its
+        client's token identity): that identity cannot decide the call's approval unless the
+        tool's policy has ``allow_self_approval``.
         """
         key = idempotency_key(session_id, turn_id, tool_call_id)
+        if requested_by is not None:
+            check_id("requested_by", requested_by, APPROVER_MAX)
         check_tool_name(tool)
         plain, args_json = checked_arguments(arguments)
         deadline = seconds(approval_deadline, "approval_deadline")
@@ -184,23 +193,25 @@ class DexClient(SessionMethods):
         options = request_options(default_effect, deadline, expires)
         try:
             info = self._lookup(tool)
-        except UnknownToolError:
+        except UnknownToolError as err:
             # The tool may be gone since the call was made: a repeat still gets its record.
             existing = self.store.get_call(key)
             if existing is None:
-                raise
+                # The caller's mistake (a name, with "did you mean" from the catalog): its
+                # traceback ends here, not in the catalog's internals.
+                raise err.with_traceback(None) from None
             return self._repeat(existing, tool, args_json, options)
         call = new_call(
             key, session_id, turn_id, tool_call_id, tool, plain, args_json, info,
             default_effect=default_effect, approval_deadline=deadline, expires_in=expires,
-            default_max_attempts=self.settings.default_max_attempts,
+            default_max_attempts=self.settings.default_max_attempts, requested_by=requested_by,
         )
         # Insert first, read only on conflict: a new call costs one write transaction, and a
         # repeated key is told apart by the primary key, not by a read that could race.
         if not self.store.insert_call(call.row, call.interrupt, requested=options):
             existing = self.store.get_call(key)
             assert existing is not None
-            return self._repeat(existing, tool, args_json, options)
+            return self._repeat(existing, tool, args_json, options, normalized=call.args_json)
 
         if call.invalid is not None:
             self.store.transition(key, CallStatus.FAILED, allowed={CallStatus.QUEUED},
@@ -223,7 +234,7 @@ class DexClient(SessionMethods):
         default_effect: EffectClass | str | None = None,
         approval_deadline: float | timedelta | None = None,
         expires_in: float | timedelta | None = None,
-    ) -> list[ToolCallRecord]:
+    ) -> list[hints.ToolCallRecord]:
         """Record a turn's parallel tool calls in one transaction and start them with one Redis
         round trip; returns their records in the order given.
 
@@ -293,7 +304,8 @@ class DexClient(SessionMethods):
             for key, request, plain, args_json in checked:
                 if key in existing:
                     same_call(existing[key], request.tool, args_json,  # ConflictError
-                              options, stored_options.get(key))
+                              options, stored_options.get(key),
+                              normalized=self._normalized(request.tool, plain))
                     continue
                 new.append(new_call(
                     key, session_id, turn_id, request.tool_call_id, request.tool, plain,
@@ -325,7 +337,9 @@ class DexClient(SessionMethods):
             records.append(ToolCallRecord.from_row(row))
         return records
 
-    def list_tools(self, default_effect: EffectClass | str | None = None) -> list[ToolSpec]:
+    def list_tools(
+        self, default_effect: EffectClass | str | None = None,
+    ) -> list[hints.ToolSpec]:
         """Every tool the workers published (and any registered in this process), by name:
         each one's ``name``, ``description`` (its docstring), ``parameters`` (the JSON schema
         of its arguments) and the ``policy`` a call made now would get, given the session's
@@ -402,12 +416,21 @@ class DexClient(SessionMethods):
 
         return end
 
+    def _normalized(self, tool: str, arguments: dict[str, Any]) -> str | None:
+        """The normalized JSON a repeated request's arguments were recorded as, if the tool is
+        still known (``calls.normalized_json``)."""
+        try:
+            info = self._lookup(tool)
+        except UnknownToolError:
+            return None
+        return normalized_json(info, arguments)
+
     def _repeat(self, existing: ToolCallRow, tool: str, args_json: str,
-                options: dict[str, Any]) -> ToolCallRecord:
+                options: dict[str, Any], *, normalized: str | None = None) -> ToolCallRecord:
         """The stored record of a repeated request, or :class:`ConflictError` naming what the
         request changed (the stored options are read only here, on the repeat path)."""
         stored = self.store.requested_options([existing.key]).get(existing.key)
-        record = same_call(existing, tool, args_json, options, stored)
+        record = same_call(existing, tool, args_json, options, stored, normalized=normalized)
         if unsent([existing], time.time()) and not self._publish_new([existing]):
             return self.get_tool_call(existing.key)
         return record
@@ -426,7 +449,7 @@ class DexClient(SessionMethods):
         default_effect: EffectClass | str | None = None,
         approval_deadline: float | timedelta | None = None,
         expires_in: float | timedelta | None = None,
-    ) -> list[ToolCallRecord]:
+    ) -> list[hints.ToolCallRecord]:
         """Journal one model response of the turn and start the calls it requested; returns
         their records in the order given.
 

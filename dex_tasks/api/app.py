@@ -55,6 +55,7 @@ from dex_tasks.agent.approvals import (
     WRONG_SESSION,
     ApproverPermissionError,
     SnapshotWindow,
+    StaleApprovalError,
     session_snapshot,
 )
 from dex_tasks.agent.client import DexClient
@@ -104,7 +105,7 @@ from dex_tasks.errors import InvalidArgumentError, StoreUnavailableError
 from dex_tasks.limits import KEY_MAX
 from dex_tasks.logs import redact_logger
 from dex_tasks.settings import DexSettings
-from dex_tasks.tokens import OPERATE, VIEW, TokenClaims
+from dex_tasks.tokens import OPERATE, VIEW, TokenClaims, token_identity
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +212,8 @@ async def resolve_interrupt(request: Request, credentials: Bearer) -> Response:
     state = _state(request)
     # Nothing of the body has been read yet: a caller without a valid operate token is
     # answered from the headers alone, whatever it sends.
-    claims = authenticate(state.secret, pick_token(credentials))
+    presented = pick_token(credentials)
+    claims = authenticate(state.secret, presented)
     # The token's own scope (its session, or every session for an operator token): this
     # checks the permission alone, with the reason in the 403.
     authorize(claims, claims.session_id, OPERATE)
@@ -231,9 +233,13 @@ async def resolve_interrupt(request: Request, credentials: Bearer) -> Response:
             state.client.resolve_interrupt, session_id, body.interrupt_id, body.approved,
             rejection_message=body.rejection_message, approver=claims.approver,
             arguments=body.arguments, permissions=claims.permissions,
+            arguments_version=body.arguments_version,
+            identity=token_identity(presented, claims),
         )
     except ApproverPermissionError as err:
         raise HTTPException(403, detail=f"not allowed: {err}") from err
+    except StaleApprovalError as err:
+        return JSONResponse({"error": str(err)}, status_code=409)
     log.info("interrupt resolve requested", extra={
         "action": "http_interrupt_resolve", "session_id": session_id,
         "interrupt_id": body.interrupt_id, "approved": body.approved,

@@ -26,10 +26,11 @@ def token(
         help="An operator token, valid for every session, which also opens GET /sessions "
              "(the sessions waiting for a decision).",
     ),
-    permission: Literal["view", "operate"] = typer.Option(
+    permission: Literal["view", "operate", "call"] = typer.Option(
         "operate", "--permission",
-        help="operate: read and decide approvals; view: read only (the page shows no "
-             "Approve/Reject).",
+        help="operate: read and decide approvals (a person's token); view: read only (the "
+             "page shows no Approve/Reject); call: call tools through dex-tasks mcp --http "
+             "and nothing else (an MCP client's token: it cannot decide approvals).",
     ),
     ttl: float = typer.Option(3600.0, "--ttl", help="Seconds until the token expires.",
                               callback=positive_seconds),
@@ -44,6 +45,7 @@ def token(
     """Print a token, signed with DEX_SECRET_KEY, for the HTTP API and the session page.
 
     Open the page at /sessions/SESSION_ID?token=TOKEN (an operator token: /sessions?token=TOKEN).
+    An MCP client gets its own token, --permission call, never a person's operate token.
     """
     from dex_tasks.errors import DexError
     from dex_tasks.tokens import issue_token
@@ -99,7 +101,7 @@ def approvals_list(
 
 def _decide(session_id: str, interrupt_id: str, approved: bool, message: str | None,
             approver: str | None, arguments: str | None = None,
-            permissions: list[str] | None = None) -> None:
+            permissions: list[str] | None = None, version: str | None = None) -> None:
     from dex_tasks.agent.approvals import (
         ALREADY_DECIDED,
         DEADLINE_PASSED,
@@ -121,7 +123,8 @@ def _decide(session_id: str, interrupt_id: str, approved: bool, message: str | N
         try:
             decided = client.resolve_interrupt(session_id, interrupt_id, approved,
                                                rejection_message=message, approver=who,
-                                               arguments=edited, permissions=permissions)
+                                               arguments=edited, permissions=permissions,
+                                               arguments_version=version)
         except DexError as err:
             typer.echo(f"not decided: {err}", err=True)
             raise typer.Exit(2) from None
@@ -172,10 +175,14 @@ def approvals_approve(
     permission: Annotated[list[str] | None, typer.Option(
         "--permission",
         help="A permission the approver holds (for a policy with approver_permission).")] = None,
+    version: str | None = typer.Option(
+        None, "--arguments-version",
+        help="The arguments_version you saw (`approvals list --json`): refused, changing "
+             "nothing, if another approver edited the arguments since."),
 ) -> None:
     """Approve a waiting call: it runs. Exit status 1 if this did not decide it (2 if the
-    arguments or the permission were refused)."""
-    _decide(session_id, interrupt_id, True, None, approver, arguments, permission)
+    arguments, their version or the permission were refused)."""
+    _decide(session_id, interrupt_id, True, None, approver, arguments, permission, version)
 
 
 @approvals_app.command("reject")

@@ -98,7 +98,7 @@ class ToolCallRow(SQLModel, table=True):
     # Policy snapshot of a rule on the arguments: the rule, its decision and why.
     approval_rule: str | None = Field(default=None, sa_column=Column(JsonText, nullable=True))
     # The W3C traceparent of the agent's span that requested it (OpenTelemetry, migration
-    # 0010): the worker's and the approval's spans join that trace. None when not traced.
+    # 0011): the worker's and the approval's spans join that trace. None when not traced.
     trace_context: str | None = Field(default=None, max_length=64)
 
 
@@ -148,6 +148,10 @@ class InterruptRow(SQLModel, table=True):
     webhook_urls: str | None = Field(default=None, sa_column=Column(JsonText, nullable=True))
     # When approval_deadline_near was announced (the warning sweep sets it once).
     deadline_warned_at: float | None = None
+    # Who made the call (the MCP client's token identity, tokens.token_identity), and whether
+    # the policy lets that identity decide it too (policy snapshot; None: it does not).
+    requested_by: str | None = Field(default=None, max_length=APPROVER_MAX)
+    self_approval: bool | None = None
 
 
 class ApprovalVoteRow(SQLModel, table=True):

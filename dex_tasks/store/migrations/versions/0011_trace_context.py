@@ -5,8 +5,8 @@ span with the call, so that whatever happens to the call later, in whichever pro
 a republish by beat, an approval decided days later through the API), joins the agent's trace.
 NULL when the agent process does not trace (see ``dex_tasks/observe/tracing.py``).
 
-Revision ID: 0010_trace_context
-Revises: 0009_prune_indexes
+Revision ID: 0011_trace_context
+Revises: 0010_self_approval
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0010_trace_context"
-down_revision = "0009_prune_indexes"
+revision = "0011_trace_context"
+down_revision = "0010_self_approval"
 branch_labels = None
 depends_on = None
 
