@@ -463,7 +463,9 @@ def run_failover(fleet: Fleet, report: Report) -> None:
         first_end = float(wait_until(lambda: _first_end_after(fleet, killed),
                                      config.recovery_bound,
                                      "a call sent after the kill to end", 0.5) or 0.0)
-        remaining = [k for k in before if k in set(fleet._open_keys())]
+        # One read of the open calls (a set built per key made this take minutes).
+        still_open = set(fleet._open_keys())
+        remaining = [k for k in before if k in still_open]
         deadline = killed + config.recovery_bound + 30
         while remaining and time.time() < deadline:
             time.sleep(1.0)

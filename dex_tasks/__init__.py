@@ -17,6 +17,7 @@ if TYPE_CHECKING:
         ApproverPermissionError,
         InvalidEditError,
         SelfApprovalError,
+        StaleApprovalError,
     )
     from dex_tasks.agent.async_client import AsyncDexClient
     from dex_tasks.agent.calls import ToolCallRequest, key_part
@@ -73,6 +74,7 @@ _LAZY: dict[str, str] = {
     "ApproverPermissionError": "dex_tasks.agent.approvals",
     "SelfApprovalError": "dex_tasks.agent.approvals",
     "InvalidEditError": "dex_tasks.agent.approvals",
+    "StaleApprovalError": "dex_tasks.agent.approvals",
     "RuleError": "dex_tasks.rules",
     "WebhookSignatureError": "dex_tasks.webhooks",
     "verify_webhook": "dex_tasks.webhooks",
@@ -170,6 +172,7 @@ __all__ = [
     "SchemaOutOfDateError",
     "SelfApprovalError",
     "SessionMessage",
+    "StaleApprovalError",
     "StoreRefusedError",
     "StoreUnavailableError",
     "TokenClaims",

@@ -30,6 +30,8 @@ them, to ask for a retry, or to say they cannot tell whether their effect happen
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class DexError(Exception):
     """Root of every error dex-tasks raises."""
@@ -48,7 +50,8 @@ class SchemaOutOfDateError(ConfigurationError):
 class UnknownToolError(DexError):
     """No tool of that name is registered locally or published in the catalog."""
 
-    def __init__(self, tool: str, *, empty_catalog_at: str | None = None) -> None:
+    def __init__(self, tool: str, *, empty_catalog_at: str | None = None,
+                 suggestions: Sequence[str] = ()) -> None:
         if empty_catalog_at is not None:
             # Nothing published at all: far more often the wrong database than a wrong name.
             message = (f"tool {tool!r} is not registered in this process, and no worker has "
@@ -57,9 +60,12 @@ class UnknownToolError(DexError):
         else:
             message = (f"unknown tool {tool!r}: no @tool of that name is registered in this "
                        "process and no worker has published it to the catalog")
+            if suggestions:
+                message += "; did you mean " + " or ".join(repr(s) for s in suggestions) + "?"
         super().__init__(message)
         self.tool = tool
         self.empty_catalog_at = empty_catalog_at
+        self.suggestions = tuple(suggestions)
 
 
 class ToolDefinitionError(DexError):

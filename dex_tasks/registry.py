@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from collections.abc import Callable, Iterator, Mapping
@@ -11,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
+from dex_tasks.arguments import InvalidArguments as InvalidArguments
+from dex_tasks.arguments import json_form, normalize, pattern_matches, shown_value
 from dex_tasks.errors import ToolDefinitionError
 from dex_tasks.limits import TOOL_NAME_MAX, check_id, text_problem
 from dex_tasks.policy import EffectClass, ToolPolicy, parse_effect
@@ -43,15 +46,12 @@ class ToolContext:
     attempt: int
 
 
-class InvalidArguments(ValueError):
-    """The arguments do not match the tool's signature; the message names the fields."""
-
-
 def _format_validation_error(tool: str, err: ValidationError) -> str:
     parts = []
     for item in err.errors():
         field = ".".join(str(x) for x in item["loc"]) or "(arguments)"
-        parts.append(f"{field}: {item['msg']}")
+        value = "" if item["type"] == "missing" else f" (got {shown_value(item['input'])})"
+        parts.append(f"{field}: {item['msg']}{value}")
     return f"invalid arguments for tool {tool!r}: " + "; ".join(parts)
 
 
@@ -118,6 +118,42 @@ class Tool(Generic[R]):
         except ValidationError as err:
             raise InvalidArguments(_format_validation_error(self.name, err)) from None
         return {name: getattr(model, name) for name in type(model).model_fields}
+
+    def normalize(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """The arguments as the tool will run with them, in their JSON form: validated,
+        coerced and with defaults filled in (what a call records and its rule judges).
+
+        Raises :class:`InvalidArguments` naming every field that is wrong, with its value.
+        """
+        if self._validator is not None:
+            normalized = normalize(self.name, self._schema, arguments)
+            return validate_against_schema(self.name, self._validator, normalized)
+        assert self.arguments_model is not None
+        try:
+            model = self.arguments_model.model_validate(dict(arguments))
+        except ValidationError as err:
+            raise InvalidArguments(_format_validation_error(self.name, err)) from None
+        return json_form(self.name, model.model_dump(mode="json"))
+
+    def recorded_arguments(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """The validated arguments of a recorded call, which the tool runs with.
+
+        The call recorded its arguments normalized (``normalize``), and its approval rule
+        judged those: a validation here that would change them (a schema the agent process
+        read differently, a default the published schema does not show) would run the tool on
+        values no one judged, so it raises :class:`InvalidArguments` naming the fields instead.
+        """
+        recorded = dict(arguments)
+        normalized = self.normalize(recorded)
+        if canonical_json(normalized) != canonical_json(recorded):
+            changed = sorted(k for k in set(normalized) | set(recorded)
+                             if k not in normalized or k not in recorded
+                             or canonical_json(normalized[k]) != canonical_json(recorded[k]))
+            raise InvalidArguments(
+                f"invalid arguments for tool {self.name!r}: this worker's validation would "
+                f"change {', '.join(changed)} from the recorded value that the call's approval "
+                "rule judged; refused rather than run on other values")
+        return self.validate(recorded)
 
     def reconciler(
         self, fn: Callable[[str, dict[str, Any]], str | None]
@@ -292,10 +328,52 @@ def _checked_schema(tool_name: str, parameters: Mapping[str, Any]) -> dict[str, 
 
 
 def schema_validator(schema: Mapping[str, Any]) -> Draft202012Validator:
-    """A validator for a tool's published argument schema."""
-    from jsonschema import Draft202012Validator
+    """A validator for a tool's published argument schema.
 
-    return Draft202012Validator(dict(schema))
+    Its ``pattern`` and ``patternProperties`` run in linear time (``arguments.pattern_matches``)
+    rather than on Python's backtracking ``re``: a third-party schema's pattern must not let
+    model input hang the process.
+    """
+    validator: Draft202012Validator = _safe_validator_class()(dict(schema))
+    return validator
+
+
+@functools.cache
+def _safe_validator_class() -> Any:
+    from jsonschema import Draft202012Validator, ValidationError, validators
+
+    def pattern(validator: Any, patrn: Any, instance: Any, schema: Any) -> Iterator[Any]:
+        if validator.is_type(instance, "string") and isinstance(patrn, str) \
+                and pattern_matches(patrn, instance) is False:
+            yield ValidationError(f"{shown_value(instance)} does not match {patrn!r}")
+
+    def pattern_properties(validator: Any, patterns: Any, instance: Any,
+                           schema: Any) -> Iterator[Any]:
+        if not validator.is_type(instance, "object"):
+            return
+        for patrn, subschema in patterns.items():
+            for k, v in instance.items():
+                if pattern_matches(patrn, k):
+                    yield from validator.descend(v, subschema, path=k, schema_path=patrn)
+
+    def additional_properties(validator: Any, extra: Any, instance: Any,
+                              schema: Any) -> Iterator[Any]:
+        if not validator.is_type(instance, "object"):
+            return
+        known = schema.get("properties", {})
+        patterns = list(schema.get("patternProperties", {}))
+        extras = sorted(k for k in instance if k not in known
+                        and not any(pattern_matches(p, k) for p in patterns))
+        if validator.is_type(extra, "object"):
+            for k in extras:
+                yield from validator.descend(instance[k], extra, path=k)
+        elif extra is False and extras:
+            yield ValidationError("Additional properties are not allowed ("
+                                  + ", ".join(repr(k) for k in extras) + " unexpected)")
+
+    return validators.extend(Draft202012Validator, {  # type: ignore[no-untyped-call]
+        "pattern": pattern, "patternProperties": pattern_properties,
+        "additionalProperties": additional_properties})
 
 
 def validate_against_schema(

@@ -415,7 +415,7 @@ def test_openapi_documents_every_status_with_a_schema_and_health(http: TestClien
             "/sessions/{session_id}/snapshot", "/sessions/{session_id}/events",
             "/sessions/{session_id}/approvals", "/healthz"} <= set(schema["paths"])
     resolve = schema["paths"]["/interrupts/resolve"]["post"]
-    assert set(resolve["responses"]) == {"200", "400", "401", "403", "413", "503"}
+    assert set(resolve["responses"]) == {"200", "400", "401", "403", "409", "413", "503"}
     for status, response in resolve["responses"].items():
         assert response["content"]["application/json"]["schema"]["$ref"], status
     assert resolve["requestBody"]["content"]["application/json"]["schema"]["$ref"] \
@@ -424,7 +424,7 @@ def test_openapi_documents_every_status_with_a_schema_and_health(http: TestClien
     body = components["ResolveRequest"]
     assert set(body["required"]) == {"interrupt_id", "approved"}
     assert set(body["properties"]) == {"interrupt_id", "approved", "rejection_message",
-                                       "session_id", "arguments"}
+                                       "session_id", "arguments", "arguments_version"}
     assert body["additionalProperties"] is False
     assert components["ErrorResponse"]["required"] == ["error"]
     # Every route documents what it answers, and none documents FastAPI's unused 422.

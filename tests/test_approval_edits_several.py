@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 from typer.testing import CliRunner
 
-from dex_tasks import CallStatus, DexClient, DexSettings, MessageRole
+from dex_tasks import CallStatus, DexClient, DexSettings, MessageRole, StaleApprovalError
 from dex_tasks.api import create_api
 from dex_tasks.ops.cli import app as cli_app
 from dex_tasks.store import APPROVALS
@@ -89,8 +89,14 @@ def test_an_edit_restarts_the_approvals_on_the_edited_version(
     assert edit.detail is not None
     assert (edit.detail["approver"], edit.detail["superseded"]) == ("bob", ["alice"])
     assert edit.detail["edit"].endswith("amount_cents 100000 -> 50000")
-    # Bob again changes nothing; alice approving exactly the edited version decides
-    assert not _approve(db_client, "s-ed", interrupt, "bob")
+    # Bob again changes nothing (naming the version he approved)
+    assert not db_client.resolve_interrupt("s-ed", interrupt, True, approver="bob",
+                                           permissions=PERM,
+                                           arguments_version=pending.arguments_version)
+    # A plain approval no longer says which version it approves: refused (issue 28 item 3)
+    with pytest.raises(StaleApprovalError, match="the arguments changed"):
+        _approve(db_client, "s-ed", interrupt, "alice")
+    # Alice approving exactly the edited version decides
     assert _approve(db_client, "s-ed", interrupt, "alice", EDITED)
     record = db_client.wait(call.key, 20)
     # The tool ran once with the edited arguments; the record and the decision keep both
@@ -116,7 +122,7 @@ def test_an_edit_restarts_the_approvals_on_the_edited_version(
     back = _wire(db_client, "s-ed", "c2")
     assert _approve(db_client, "s-ed", back.interrupt_id, "alice", EDITED)
     assert _approve(db_client, "s-ed", back.interrupt_id, "bob", ASKED)
-    assert _approve(db_client, "s-ed", back.interrupt_id, "carol")
+    assert _approve(db_client, "s-ed", back.interrupt_id, "carol")  # the model's, unedited
     again = db_client.wait(back.key, 20)
     assert (again.arguments, again.original_arguments, again.arguments_edit) == (
         ASKED, None, None)

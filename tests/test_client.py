@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -70,7 +71,9 @@ def test_call_tool_records_the_call_and_sends_one_message(client: DexClient,
                               tool="lookup_order", arguments={"order_id": "1001"})
     assert record.key == "s1/t1/c1" == idempotency_key("s1", "t1", "c1")
     assert (record.session_id, record.turn_id, record.tool_call_id) == ("s1", "t1", "c1")
-    assert record.tool == "lookup_order" and record.arguments == {"order_id": "1001"}
+    # The arguments the tool will run with: its default filled in (issue 28 item 1)
+    assert record.tool == "lookup_order"
+    assert record.arguments == {"order_id": "1001", "sleep": 0.0}
     assert record.effect is EffectClass.READ and record.requires_approval is False
     assert record.status is CallStatus.QUEUED and not record.terminal
     assert record.attempts == 0 and record.max_attempts == 3
@@ -240,3 +243,19 @@ def test_a_store_with_no_catalog_says_so_instead_of_unknown_tool(
             c.call_tool(session_id="s", turn_id="t", tool_call_id="c", tool="lookup_orders",
                         arguments={})
         assert err.value.empty_catalog_at is None
+
+
+def test_an_empty_catalog_names_the_file_a_relative_sqlite_url_opens(
+        redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given an agent started in another folder than the workers, on sqlite:///dex.db
+    from dex_tasks.errors import UnknownToolError
+    from tests.conftest import fast_settings
+
+    monkeypatch.chdir(tmp_path)
+    with DexClient(fast_settings(redis_url, "sqlite:///dex.db")) as c:
+        with pytest.raises(UnknownToolError) as err:
+            c.call_tool(session_id="s", turn_id="t", tool_call_id="c", tool="lookup_orders",
+                        arguments={})
+    # Then the error says which file that is, and that it depends on the folder
+    assert (f"no worker has published tools to sqlite:///dex.db (the file {tmp_path}/dex.db, "
+            "relative to this process's folder)") in str(err.value)

@@ -44,6 +44,7 @@ from dex_tasks.agent.session_views import (
     refusal_reason,
     session_snapshot,
 )
+from dex_tasks.arguments import arguments_version
 from dex_tasks.broker.celery_app import publish
 from dex_tasks.errors import ForbiddenSessionError, InvalidArgumentError
 from dex_tasks.limits import (
@@ -53,7 +54,7 @@ from dex_tasks.limits import (
     check_id,
     check_text,
 )
-from dex_tasks.registry import InvalidArguments
+from dex_tasks.registry import canonical_json
 from dex_tasks.states import CallStatus
 from dex_tasks.store import APPROVALS, CALLS, INTERRUPTS, Store, catalog, webhooks
 from dex_tasks.store.deadlines import (
@@ -69,8 +70,9 @@ from dex_tasks.store.tables import INSERT_EVENT
 __all__ = [
     "ALREADY_DECIDED", "APPROVAL_COUNTED", "APPROVAL_EDITED", "DEADLINE_PASSED",
     "REFUSAL_REASONS", "UNKNOWN_INTERRUPT", "WRONG_SESSION", "ApproverPermissionError",
-    "InvalidEditError", "SelfApprovalError", "SnapshotWindow", "get_interrupt", "list_pending",
-    "refusal_reason", "rejection_error", "resolve_interrupt", "session_snapshot",
+    "InvalidEditError", "SelfApprovalError", "SnapshotWindow", "StaleApprovalError",
+    "get_interrupt", "list_pending", "refusal_reason", "rejection_error", "resolve_interrupt",
+    "session_snapshot",
 ]
 
 log = logging.getLogger("dex_tasks.agent.approvals")
@@ -89,6 +91,12 @@ APPROVAL_COUNTED = "tool_call_approval_counted"
 class InvalidEditError(InvalidArgumentError):
     """Edited arguments a tool refuses (the message names the field), or an edit where none
     may be made (when rejecting). Nothing changed."""
+
+
+class StaleApprovalError(InvalidArgumentError):
+    """An approval of a version of the arguments that is no longer the call's (another approver
+    edited them meanwhile), or one that names no version when they were edited. Nothing
+    changed (HTTP 409); the message says the arguments changed and shows the current ones."""
 
 
 class ApproverPermissionError(ForbiddenSessionError):
@@ -120,6 +128,7 @@ def resolve_interrupt(
     *,
     arguments: Mapping[str, Any] | None = None,
     permissions: Sequence[str] | None = None,
+    arguments_version: str | None = None,
     identity: str | None = None,
 ) -> bool:
     """Decide a pending approval; True if this call decided it (or, for a policy that needs
@@ -146,6 +155,13 @@ def resolve_interrupt(
     ``tool_call_arguments_edited``, and no longer count). ``arguments`` equal to the current
     ones approve exactly that version: a safe way to approve what one saw.
 
+    ``arguments_version`` (approving only; ``PendingInterrupt.arguments_version``, which the
+    session page sends with every decision): the version of the arguments the approver saw.
+    An approval (or an edit) of a version that is no longer the call's raises
+    :class:`StaleApprovalError` saying the arguments changed, and changes nothing. An approval
+    that names no version (neither ``arguments_version`` nor ``arguments``) approves the
+    model's arguments as they were asked: once an approver edited them, it is refused the
+    same way, so no one's approval counts for a version they were not shown.
     Self-approval: a call records who made it (``call_tool(requested_by=...)``, the MCP
     server's client). A decision, approval or rejection, by that same identity (``identity``,
     else ``approver``) raises :class:`SelfApprovalError` and changes nothing, unless the tool's
@@ -160,6 +176,8 @@ def resolve_interrupt(
     approver = approver or None
     if approver is not None:
         check_id("approver", approver, APPROVER_MAX)
+    if arguments_version is not None:
+        check_id("arguments_version", arguments_version, INTERRUPT_ID_MAX)
     edited: str | None = None
     if arguments is not None:
         if not approved:
@@ -205,6 +223,8 @@ def resolve_interrupt(
                 raise ApproverPermissionError(
                     f"deciding this call needs the {row.approver_permission!r} permission, "
                     f"which {approver or 'this approver'}'s token does not hold")
+            if approved:
+                _check_version(conn, key, arguments_version, named=edited is not None)
             # Only a policy of several approvals has approval rows to read.
             approvers = _approvers(conn, interrupt_id) if required > 1 else []
             # The call's edit so far, for the deciding event (several approvals: an edit is
@@ -242,8 +262,9 @@ def resolve_interrupt(
             if edited is not None:
                 original = conn.execute(select(CALLS.c.tool, CALLS.c.arguments)
                                         .where(CALLS.c.key == key)).first()
+                if original is not None:
+                    edited = _check_edit(store, original.tool, edited)
                 if original is not None and not same_json(original.arguments, edited):
-                    _check_edit(store, original.tool, json.loads(edited))
                     before = json.loads(original.arguments)
                     values.update(arguments=edited, original_arguments=original.arguments)
                     detail.update(original_arguments=before, arguments=json.loads(edited),
@@ -285,6 +306,29 @@ def resolve_interrupt(
     return True
 
 
+def _check_version(conn: Connection, key: str, version: str | None, *, named: bool) -> None:
+    """:class:`StaleApprovalError` unless the approval is of the call's current arguments:
+    ``version`` when given, else (``named`` False: no arguments given either) the model's
+    arguments unedited. Read under the interrupt's lock, so no edit lands in between."""
+    row = conn.execute(select(CALLS.c.arguments, CALLS.c.original_arguments)
+                       .where(CALLS.c.key == key)).first()
+    if row is None:
+        return
+    current = json.loads(row.arguments)
+    now = arguments_version(current)
+    if version is not None and version != now:
+        raise StaleApprovalError(
+            f"the arguments changed since you saw them (you saw version {version}; the call "
+            f"now has version {now}, arguments {canonical_json(current)}): nothing was "
+            "approved; look at the current arguments and decide again")
+    if version is None and not named and row.original_arguments is not None:
+        change = edit_note(json.loads(row.original_arguments), current)
+        raise StaleApprovalError(
+            f"the arguments changed since the model asked for them ({change}): nothing was "
+            f"approved; approve naming the version you saw (arguments_version {now} is the "
+            f"current one, arguments {canonical_json(current)})")
+
+
 def _approvers(conn: Connection, interrupt_id: str) -> list[str]:
     return list(conn.execute(
         select(APPROVALS.c.approver).where(APPROVALS.c.interrupt_id == interrupt_id)
@@ -323,10 +367,12 @@ def _edit_restarts(store: Store, conn: Connection, key: str, session_id: str,
     version they did not approve; the event keeps the ones that no longer count."""
     row = conn.execute(select(CALLS.c.tool, CALLS.c.arguments, CALLS.c.original_arguments)
                        .where(CALLS.c.key == key)).first()
-    if row is None or same_json(row.arguments, edited):
+    if row is None:
+        return False
+    edited = _check_edit(store, row.tool, edited)
+    if same_json(row.arguments, edited):
         return False
     new = json.loads(edited)
-    _check_edit(store, row.tool, new)
     asked = row.original_arguments or row.arguments  # the model's arguments
     moved = conn.execute(
         update(CALLS).where(CALLS.c.key == key,
@@ -364,11 +410,13 @@ def _edit_so_far(conn: Connection, key: str) -> dict[str, Any]:
     return {"original_arguments": before, "arguments": after, "edit": edit_note(before, after)}
 
 
-def _check_edit(store: Store, tool: str, arguments: dict[str, Any]) -> None:
-    """:class:`InvalidEditError` naming the fields the tool's schema refuses."""
+def _check_edit(store: Store, tool: str, edited: str) -> str:
+    """Edited arguments (canonical JSON) normalized as a new call's are (``calls.new_call``):
+    the JSON of what the tool will run with, which is what is compared, stored and judged.
+    :class:`InvalidEditError` naming the fields (and values) the tool's schema refuses."""
     try:
-        catalog.lookup(store, tool).validate(arguments)
-    except InvalidArguments as err:
+        return canonical_json(catalog.lookup(store, tool).normalize(json.loads(edited)))
+    except ValueError as err:  # InvalidArguments is one
         raise InvalidEditError(f"arguments: {err}") from None
 
 

@@ -79,6 +79,17 @@ class ToolCallRequest(BaseModel):
     """The call's JSON arguments."""
 
 
+def normalized_json(info: ToolInfo | None, arguments: dict[str, Any]) -> str | None:
+    """The canonical JSON of ``arguments`` normalized for the tool; None when there is no tool
+    to normalize for or the arguments are refused (a repeat then compares them as sent)."""
+    if info is None:
+        return None
+    try:
+        return canonical_json(info.normalize(arguments))
+    except ValueError:  # InvalidArguments is one
+        return None
+
+
 def checked_arguments(arguments: Mapping[str, Any] | None) -> tuple[dict[str, Any], str]:
     """The arguments as a dict and as the canonical JSON the store keeps (and compares).
 
@@ -127,23 +138,30 @@ def new_call(
 ) -> NewCall:
     """Resolve the call's policy and build its row (and interrupt), as ``call_tool`` stores it.
 
-    Arguments are checked here when the tool's code is in this process, and against the schema
-    the workers published when a person would otherwise be asked to approve arguments the tool
-    refuses. (Other calls are checked by the worker: the published schema is stricter than the
-    signature's coercions, "5" for an int for instance.) ``requested_by`` is the identity that
-    makes the call (the MCP server's client): it may not decide the call's approval unless the
-    policy allows self-approval.
+    The arguments are normalized first (``ToolInfo.normalize``): validated against the tool's
+    code when it is in this process, else against the schema the workers published, as the
+    worker's validation will treat them (coerced, defaults filled in). The approval rule judges
+    the normalized arguments, which are what the call records and the worker runs: a rule
+    cannot be slipped past with ``"true"`` for ``true`` or a default left out. Arguments the
+    schema refuses are recorded as the model sent them and the call is ended "did not run" at
+    once (``NewCall.invalid``), whatever its effect class. ``requested_by`` is the identity
+    that makes the call (the MCP server's client): it may not decide the call's approval unless
+    the policy allows self-approval.
     """
     policy = resolve_policy(info.policy, info.hints, default_effect)
+    invalid: str | None = None
+    try:
+        normalized = info.normalize(arguments)
+        args_json = canonical_json(normalized)
+    except InvalidArguments as err:
+        invalid = str(err)
+    except ValueError as err:  # coerced to a value JSON cannot hold ("nan" for a number)
+        invalid = f"invalid arguments for tool {tool!r}: {err}"
+    if invalid is None:
+        arguments = normalized
     # A rule on the arguments is evaluated here, in the agent process, from the policy the
     # catalog carries (see rules.py): no tool code is needed to decide.
     decision = policy.approval_for(arguments)
-    invalid: str | None = None
-    if info.local is not None or decision.required:
-        try:
-            info.validate(arguments)
-        except InvalidArguments as err:
-            invalid = str(err)
     row, interrupt = _rows(key, session_id, turn_id, tool_call_id, tool, args_json, policy,
                            approval_deadline=approval_deadline, expires_in=expires_in,
                            hold=decision.required and invalid is None,
@@ -223,11 +241,16 @@ def request_options(
 
 
 def same_call(existing: Any, tool: str, args_json: str, options: Mapping[str, Any] | None = None,
-              stored_options: Mapping[str, Any] | None = None) -> ToolCallRecord:
+              stored_options: Mapping[str, Any] | None = None, *,
+              normalized: str | None = None) -> ToolCallRecord:
     """The record of a repeated request; :class:`ConflictError` naming what differs if the
     call stored under that key has another tool, other arguments, or other options
     (``default_effect``, ``approval_deadline``, ``expires_in``). Options are compared only
-    when the stored call kept them (calls recorded by an older release did not)."""
+    when the stored call kept them (calls recorded by an older release did not).
+
+    A call records its arguments normalized (:func:`new_call`): the request's arguments
+    (``args_json``, as the model sent them) match when they or their ``normalized`` JSON equal
+    the stored ones."""
     if existing.tool != tool:
         raise ConflictError(existing.key, "tool")
     # By value: PostgreSQL's jsonb hands back its own spelling of the stored arguments. A call
@@ -235,8 +258,9 @@ def same_call(existing: Any, tool: str, args_json: str, options: Mapping[str, An
     # the edited ones (a framework that runs an approved call with its override, Pydantic AI's
     # ToolApproved(override_args=...), asks with those).
     asked = getattr(existing, "original_arguments", None)
-    if not same_json(existing.arguments, args_json) and (
-            asked is None or not same_json(asked, args_json)):
+    if not any(same_json(stored, given)
+               for stored in (existing.arguments, asked) if stored is not None
+               for given in (args_json, normalized) if given is not None):
         raise ConflictError(existing.key, "arguments")
     if options is not None and stored_options is not None:
         for name in ("default_effect", "approval_deadline", "expires_in"):

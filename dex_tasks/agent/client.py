@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import ValidationError
 
+from dex_tasks.agent import hints
 from dex_tasks.agent.calls import (
     NewCall,
     ToolCallRequest,
@@ -22,6 +23,7 @@ from dex_tasks.agent.calls import (
     checked_arguments,
     idempotency_key,
     new_call,
+    normalized_json,
     request_options,
     same_call,
 )
@@ -91,7 +93,8 @@ class DexClient(SessionMethods):
     The session's reads, waits, approvals, messages and durable turns are inherited from
     :class:`~dex_tasks.agent.session_methods.SessionMethods`."""
 
-    def __init__(self, settings: DexSettings | None = None, *, create_tables: bool = True) -> None:
+    def __init__(self, settings: hints.DexSettings | None = None, *,
+                 create_tables: bool = True) -> None:
         self.settings = settings or DexSettings()
         # An agent process idles between turns, and the server (or a proxy) may close its
         # pooled connections meanwhile: one that sat idle a second is tested before use. The
@@ -127,14 +130,14 @@ class DexClient(SessionMethods):
         return cls(DexSettings())
 
     @property
-    def app(self) -> Celery:
+    def app(self) -> hints.Celery:
         """The Celery app used to publish (created on first use)."""
         if self._app is None:
             self._app = create_app(self.settings, publisher=True)
         return self._app
 
     @property
-    def checkpoints(self) -> Checkpoints:
+    def checkpoints(self) -> hints.Checkpoints:
         """LangGraph checkpoints kept in this client's store (what ``DexCheckpointer`` uses)."""
         return Checkpoints(self.store)
 
@@ -166,7 +169,7 @@ class DexClient(SessionMethods):
         approval_deadline: float | timedelta | None = None,
         expires_in: float | timedelta | None = None,
         requested_by: str | None = None,
-    ) -> ToolCallRecord:
+    ) -> hints.ToolCallRecord:
         """Record a tool call and start it (or hold it for approval); returns its record.
 
         Calling again with the same ids returns the same record without running anything; the
@@ -188,11 +191,13 @@ class DexClient(SessionMethods):
         options = request_options(default_effect, deadline, expires)
         try:
             info = self._lookup(tool)
-        except UnknownToolError:
+        except UnknownToolError as err:
             # The tool may be gone since the call was made: a repeat still gets its record.
             existing = self.store.get_call(key)
             if existing is None:
-                raise
+                # The caller's mistake (a name, with "did you mean" from the catalog): its
+                # traceback ends here, not in the catalog's internals.
+                raise err.with_traceback(None) from None
             return self._repeat(existing, tool, args_json, options)
         call = new_call(
             key, session_id, turn_id, tool_call_id, tool, plain, args_json, info,
@@ -204,7 +209,7 @@ class DexClient(SessionMethods):
         if not self.store.insert_call(call.row, call.interrupt, requested=options):
             existing = self.store.get_call(key)
             assert existing is not None
-            return self._repeat(existing, tool, args_json, options)
+            return self._repeat(existing, tool, args_json, options, normalized=call.args_json)
 
         if call.invalid is not None:
             self.store.transition(key, CallStatus.FAILED, allowed={CallStatus.QUEUED},
@@ -227,7 +232,7 @@ class DexClient(SessionMethods):
         default_effect: EffectClass | str | None = None,
         approval_deadline: float | timedelta | None = None,
         expires_in: float | timedelta | None = None,
-    ) -> list[ToolCallRecord]:
+    ) -> list[hints.ToolCallRecord]:
         """Record a turn's parallel tool calls in one transaction and start them with one Redis
         round trip; returns their records in the order given.
 
@@ -296,7 +301,8 @@ class DexClient(SessionMethods):
             for key, request, plain, args_json in checked:
                 if key in existing:
                     same_call(existing[key], request.tool, args_json,  # ConflictError
-                              options, stored_options.get(key))
+                              options, stored_options.get(key),
+                              normalized=self._normalized(request.tool, plain))
                     continue
                 new.append(new_call(
                     key, session_id, turn_id, request.tool_call_id, request.tool, plain,
@@ -328,7 +334,9 @@ class DexClient(SessionMethods):
             records.append(ToolCallRecord.from_row(row))
         return records
 
-    def list_tools(self, default_effect: EffectClass | str | None = None) -> list[ToolSpec]:
+    def list_tools(
+        self, default_effect: EffectClass | str | None = None,
+    ) -> list[hints.ToolSpec]:
         """Every tool the workers published (and any registered in this process), by name:
         each one's ``name``, ``description`` (its docstring), ``parameters`` (the JSON schema
         of its arguments) and the ``policy`` a call made now would get, given the session's
@@ -405,12 +413,21 @@ class DexClient(SessionMethods):
 
         return end
 
+    def _normalized(self, tool: str, arguments: dict[str, Any]) -> str | None:
+        """The normalized JSON a repeated request's arguments were recorded as, if the tool is
+        still known (``calls.normalized_json``)."""
+        try:
+            info = self._lookup(tool)
+        except UnknownToolError:
+            return None
+        return normalized_json(info, arguments)
+
     def _repeat(self, existing: ToolCallRow, tool: str, args_json: str,
-                options: dict[str, Any]) -> ToolCallRecord:
+                options: dict[str, Any], *, normalized: str | None = None) -> ToolCallRecord:
         """The stored record of a repeated request, or :class:`ConflictError` naming what the
         request changed (the stored options are read only here, on the repeat path)."""
         stored = self.store.requested_options([existing.key]).get(existing.key)
-        record = same_call(existing, tool, args_json, options, stored)
+        record = same_call(existing, tool, args_json, options, stored, normalized=normalized)
         if unsent([existing], time.time()) and not self._publish_new([existing]):
             return self.get_tool_call(existing.key)
         return record
@@ -429,7 +446,7 @@ class DexClient(SessionMethods):
         default_effect: EffectClass | str | None = None,
         approval_deadline: float | timedelta | None = None,
         expires_in: float | timedelta | None = None,
-    ) -> list[ToolCallRecord]:
+    ) -> list[hints.ToolCallRecord]:
         """Journal one model response of the turn and start the calls it requested; returns
         their records in the order given.
 

@@ -55,6 +55,7 @@ from dex_tasks.agent.approvals import (
     WRONG_SESSION,
     ApproverPermissionError,
     SnapshotWindow,
+    StaleApprovalError,
     session_snapshot,
 )
 from dex_tasks.agent.client import DexClient
@@ -232,10 +233,13 @@ async def resolve_interrupt(request: Request, credentials: Bearer) -> Response:
             state.client.resolve_interrupt, session_id, body.interrupt_id, body.approved,
             rejection_message=body.rejection_message, approver=claims.approver,
             arguments=body.arguments, permissions=claims.permissions,
+            arguments_version=body.arguments_version,
             identity=token_identity(presented, claims),
         )
     except ApproverPermissionError as err:
         raise HTTPException(403, detail=f"not allowed: {err}") from err
+    except StaleApprovalError as err:
+        return JSONResponse({"error": str(err)}, status_code=409)
     log.info("interrupt resolve requested", extra={
         "action": "http_interrupt_resolve", "session_id": session_id,
         "interrupt_id": body.interrupt_id, "approved": body.approved,

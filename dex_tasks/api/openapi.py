@@ -47,6 +47,11 @@ RESOLVE_RESPONSES: dict[int | str, dict[str, Any]] = {
     403: {**AUTH_403, "description": "A genuine token without the `operate` permission "
                                      "(checked before the body is read), or a body "
                                      "`session_id` that is not the token's session."},
+    409: {"description": "An approval of a version of the arguments (`arguments_version`) "
+                         "that another approver's edit replaced, or one that names no version "
+                         "after an edit: `error` says the arguments changed and shows the "
+                         "current ones. Nothing changed.",
+          "model": ErrorResponse},
     413: BODY_413,
     503: STORE_503,
 }

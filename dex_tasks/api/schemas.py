@@ -58,6 +58,13 @@ class ResolveRequest(BaseModel):
                     "model's (checked against the tool's schema; 400 naming the field "
                     "otherwise). Both versions are recorded and the model is told.",
     )
+    arguments_version: str | None = Field(
+        default=None, min_length=1, max_length=MAX_INTERRUPT_ID_LENGTH,
+        description="When approving: the pending interrupt's arguments_version the approver "
+                    "saw. An approval of a version edited meanwhile is refused (409, saying "
+                    "the arguments changed); one that names no version approves the model's "
+                    "arguments only while no one edited them.",
+    )
 
 
 class BodyError(ValueError):
@@ -73,6 +80,7 @@ class ResolveBody:
     rejection_message: str | None
     session_id: str | None
     arguments: dict[str, Any] | None = None
+    arguments_version: str | None = None
 
 
 def parse_resolve_body(raw: bytes) -> ResolveBody:
@@ -111,11 +119,16 @@ def parse_resolve_body(raw: bytes) -> ResolveBody:
         raise BodyError("arguments must be a JSON object when given")
     if arguments is not None and not approved:
         raise BodyError("arguments can only be given when approving")
+    version = body.get("arguments_version")
+    if version is not None:
+        if not isinstance(version, str) or not version:
+            raise BodyError("arguments_version must be a non-empty string when given")
+        _check_text("arguments_version", version, MAX_INTERRUPT_ID_LENGTH)
     unknown = sorted(set(body) - set(ResolveRequest.model_fields))
     if unknown:
         raise BodyError(f"unknown field {unknown[0]!r} (the body takes "
                         f"{', '.join(ResolveRequest.model_fields)})")
-    return ResolveBody(interrupt_id, approved, rejection_message, session_id, arguments)
+    return ResolveBody(interrupt_id, approved, rejection_message, session_id, arguments, version)
 
 
 def _check_text(field: str, value: str, limit: int) -> None:

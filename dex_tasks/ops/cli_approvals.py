@@ -101,7 +101,7 @@ def approvals_list(
 
 def _decide(session_id: str, interrupt_id: str, approved: bool, message: str | None,
             approver: str | None, arguments: str | None = None,
-            permissions: list[str] | None = None) -> None:
+            permissions: list[str] | None = None, version: str | None = None) -> None:
     from dex_tasks.agent.approvals import (
         ALREADY_DECIDED,
         DEADLINE_PASSED,
@@ -123,7 +123,8 @@ def _decide(session_id: str, interrupt_id: str, approved: bool, message: str | N
         try:
             decided = client.resolve_interrupt(session_id, interrupt_id, approved,
                                                rejection_message=message, approver=who,
-                                               arguments=edited, permissions=permissions)
+                                               arguments=edited, permissions=permissions,
+                                               arguments_version=version)
         except DexError as err:
             typer.echo(f"not decided: {err}", err=True)
             raise typer.Exit(2) from None
@@ -174,10 +175,14 @@ def approvals_approve(
     permission: Annotated[list[str] | None, typer.Option(
         "--permission",
         help="A permission the approver holds (for a policy with approver_permission).")] = None,
+    version: str | None = typer.Option(
+        None, "--arguments-version",
+        help="The arguments_version you saw (`approvals list --json`): refused, changing "
+             "nothing, if another approver edited the arguments since."),
 ) -> None:
     """Approve a waiting call: it runs. Exit status 1 if this did not decide it (2 if the
-    arguments or the permission were refused)."""
-    _decide(session_id, interrupt_id, True, None, approver, arguments, permission)
+    arguments, their version or the permission were refused)."""
+    _decide(session_id, interrupt_id, True, None, approver, arguments, permission, version)
 
 
 @approvals_app.command("reject")

@@ -1,5 +1,5 @@
 """The ``dex-tasks`` commands that run a process: ``worker``, ``beat``, ``api``, ``mcp``,
-``demo``, and ``sweep`` (beat's jobs once, in this process)."""
+``demo``, ``dev``, and ``sweep`` (beat's jobs once, in this process)."""
 
 from __future__ import annotations
 
@@ -308,6 +308,27 @@ def demo(
     from dex_tasks.ops.demo import run
 
     raise typer.Exit(run(keep_running=keep_running, console=console))
+
+
+@commands.command()
+def dev(
+    tools: str = typer.Option(..., "--tools",
+                              help="Your tool modules, comma-separated (e.g. my_tools)."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535,
+                             help="The API's port (0, or a port in use: any free one)."),
+    concurrency: int = typer.Option(2, "-c", "--concurrency", min=1,
+                                    help="The worker's processes."),
+) -> None:
+    """Run your tools on this machine: Redis, a worker, beat and the API, in one command.
+
+    An embedded Redis (or DEX_REDIS_URL), a SQLite store in this folder (dex.db, or
+    DEX_DATABASE_URL), a worker for MODULE, beat and the API. Prints the session pages'
+    address with an operator token and the exports an agent needs; a saved change to a tool
+    module restarts the worker; Ctrl-C stops everything.
+    """
+    from dex_tasks.ops.dev import run
+
+    raise typer.Exit(run(tools, port=port, concurrency=concurrency, console=console))
 
 
 @commands.command()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import time
@@ -12,6 +13,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 from sqlalchemy.exc import IntegrityError
 
+from dex_tasks.arguments import normalize
 from dex_tasks.errors import UnknownToolError
 from dex_tasks.policy import EffectClass, ToolPolicy, resolve_policy
 from dex_tasks.registry import (
@@ -21,6 +23,7 @@ from dex_tasks.registry import (
     schema_validator,
     validate_against_schema,
 )
+from dex_tasks.settings import sqlite_file
 from dex_tasks.store import Store
 
 
@@ -34,15 +37,17 @@ class ToolInfo:
     schema: dict[str, Any]
     local: Tool[Any] | None = None
 
-    def validate(self, arguments: dict[str, Any]) -> None:
-        """Check arguments against the tool (its local code, else its published schema).
+    def normalize(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """The arguments as the tool will run with them (JSON form): validated against the
+        tool's local code, else against its published schema as the worker's pydantic
+        validation would (``dex_tasks.arguments``), coerced and with defaults filled in.
 
-        Raises ``registry.InvalidArguments`` naming every field that is wrong.
+        Raises ``registry.InvalidArguments`` naming every field that is wrong, with its value.
         """
         if self.local is not None:
-            self.local.validate(arguments)
-        else:
-            validate_against_schema(self.name, self._validator, arguments)
+            return self.local.normalize(arguments)
+        normalized = normalize(self.name, self.schema, arguments)
+        return validate_against_schema(self.name, self._validator, normalized)
 
     @functools.cached_property
     def _validator(self) -> Draft202012Validator:
@@ -88,6 +93,18 @@ def publish(store: Store, tools: Iterable[Tool[Any]]) -> int:
         return store.publish_catalog(entries)
 
 
+def store_location(store: Store) -> str:
+    """The store's URL (no password) and, for SQLite, the file it resolves to: a relative
+    path is relative to each process's own folder, the usual reason an agent finds no tools."""
+    where = store.safe_url
+    file = sqlite_file(store.url)
+    if file is not None:
+        relative = "" if store.url.partition(":///")[2].startswith("/") else \
+            ", relative to this process's folder"
+        where += f" (the file {file}{relative})"
+    return where
+
+
 def lookup(store: Store, name: str) -> ToolInfo:
     """Find a tool in this process's registry, else in the published catalog."""
     local = get_local_tool(name)
@@ -95,8 +112,10 @@ def lookup(store: Store, name: str) -> ToolInfo:
         return ToolInfo(name, local.explicit_policy, local.hints, local.schema, local)
     row = store.get_catalog(name)
     if row is None:
-        empty = not store.list_catalog()  # read only on this error path
-        raise UnknownToolError(name, empty_catalog_at=store.safe_url if empty else None)
+        published = [r.name for r in store.list_catalog()]  # read only on this error path
+        close = difflib.get_close_matches(name, sorted({*published, *local_tools()}), n=3)
+        raise UnknownToolError(name, empty_catalog_at=None if published else store_location(store),
+                               suggestions=close)
     raw_policy = json.loads(row.policy)
     return ToolInfo(
         name=name,

@@ -7,8 +7,9 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, computed_field
 
+from dex_tasks.arguments import arguments_version
 from dex_tasks.policy import EffectClass
 from dex_tasks.states import CallStatus, MessageRole
 from dex_tasks.store.models import CallEventRow, ToolCallRow
@@ -153,6 +154,13 @@ class PendingInterrupt(BaseModel):
     original_arguments: dict[str, Any] | None = None
     """The model's arguments when a person edited them while more approvals are needed
     (``arguments`` are the edited version, which the approvals are for)."""
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def arguments_version(self) -> str:
+        """The id of the version of ``arguments`` shown here; an approval names it
+        (``resolve_interrupt(arguments_version=...)``) so it approves what was seen."""
+        return arguments_version(self.arguments)
 
 
 class Decision(BaseModel):

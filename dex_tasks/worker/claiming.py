@@ -56,7 +56,7 @@ def claim(rt: Runtime, key: str, owner: str) -> Claimed | Outcome | None:
             raise _CannotRun(f"no worker that took it has the tool {row.tool!r}",
                              _before_claim(row))
         try:
-            return tool, tool.validate(json.loads(row.arguments))
+            return tool, tool.recorded_arguments(json.loads(row.arguments))
         except InvalidArguments as err:
             raise _CannotRun(str(err), _before_claim(row)) from None
 

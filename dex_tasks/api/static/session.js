@@ -182,10 +182,22 @@
         (item.approver_permission ? " (holding " + item.approver_permission + ")" : "") +
         " · approved so far: " + so;
     }
+    // The arguments as they are now, on every snapshot: another approver's edit replaces
+    // them, and this card must show (and approve) the version it names.
+    const changed = card.dataset.version && card.dataset.version !== item.arguments_version;
+    card.dataset.version = item.arguments_version || "";
+    setText(card, ".args", pretty(item.arguments));
     const edit = card.querySelector(".edit-args");
     if (edit && !edit.dataset.touched) {
       edit.value = pretty(item.arguments);
-      edit.addEventListener("input", () => { edit.dataset.touched = "true"; }, { once: true });
+      if (!edit.dataset.listening) {
+        edit.dataset.listening = "true";
+        edit.addEventListener("input", () => { edit.dataset.touched = "true"; }, { once: true });
+      }
+    }
+    if (changed && !card.dataset.busy) {
+      showNote(card, "The arguments changed since this card was shown (another approver " +
+        "edited them): check them again before you decide.");
     }
     const call = callsByKey.get(item.key);
     card.dataset.status = call ? call.status : "awaiting_approval";
@@ -257,8 +269,8 @@
     const edited = card.querySelector(".edited");
     edited.hidden = !item.original_arguments;
     if (item.original_arguments) {
-      edited.textContent = "approved with edited arguments; the model asked for " +
-        JSON.stringify(item.original_arguments);
+      edited.textContent = visible("approved with edited arguments; the model asked for " +
+        JSON.stringify(item.original_arguments));
     }
     setDeadline(card, item.deadline ? parseTime(item.deadline) : null);
     const reason = card.querySelector(".reason");
@@ -464,6 +476,9 @@
           rejection_message: approved || !message ? null : message,
           session_id: sessionId,
           arguments: edited,
+          // The version this card shows: an approval of arguments someone changed since is
+          // refused (409) rather than counted for a version this person did not see.
+          arguments_version: approved && card.dataset.version ? card.dataset.version : null,
         }),
       });
       const body = await response.json();
