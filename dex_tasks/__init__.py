@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from dex_tasks.agent.approvals import (
         ApproverPermissionError,
         InvalidEditError,
+        SelfApprovalError,
         StaleApprovalError,
     )
     from dex_tasks.agent.async_client import AsyncDexClient
@@ -66,11 +67,12 @@ if TYPE_CHECKING:
         TurnStep,
     )
     from dex_tasks.store.transcript import tool_message_text
-    from dex_tasks.tokens import TokenClaims, issue_token, read_token, verify_token
+    from dex_tasks.tokens import TokenClaims, issue_token, read_token, token_identity, verify_token
     from dex_tasks.webhooks import WebhookSignatureError, verify_webhook
 _LAZY: dict[str, str] = {
     "ApprovalRule": "dex_tasks.rules",
     "ApproverPermissionError": "dex_tasks.agent.approvals",
+    "SelfApprovalError": "dex_tasks.agent.approvals",
     "InvalidEditError": "dex_tasks.agent.approvals",
     "StaleApprovalError": "dex_tasks.agent.approvals",
     "RuleError": "dex_tasks.rules",
@@ -130,6 +132,7 @@ _LAZY: dict[str, str] = {
     "issue_token": "dex_tasks.tokens",
     "key_part": "dex_tasks.agent.calls",
     "read_token": "dex_tasks.tokens",
+    "token_identity": "dex_tasks.tokens",
     "verify_token": "dex_tasks.tokens",
 }
 """Each public name and the module that defines it."""
@@ -167,6 +170,7 @@ __all__ = [
     "PrunedCallError",
     "RuleError",
     "SchemaOutOfDateError",
+    "SelfApprovalError",
     "SessionMessage",
     "StaleApprovalError",
     "StoreRefusedError",
@@ -192,6 +196,7 @@ __all__ = [
     "read_token",
     "report_unknown_outcomes",
     "report_unknown_outcomes_sync",
+    "token_identity",
     "tool",
     "tool_message_text",
     "verify_token",

@@ -17,6 +17,12 @@ attribute, an ``isinstance``) imports every module of the group and puts the rea
 the module's namespace, so later uses cost nothing; a name already replaced meanwhile (a test's
 ``monkeypatch.setattr``) is left alone. ``tests/test_packaging.py`` checks that each group binds
 exactly what its ``TYPE_CHECKING`` block imports.
+
+Stand-ins are for code, never for annotations: ``typing.get_type_hints`` reads a module's
+namespace as it is, and would meet a stand-in (``_StandIn | None``) until the group loaded.
+The client's public annotations name their classes through ``dex_tasks.agent.hints`` instead
+(``settings: hints.DexSettings | None``), whose ``__getattr__`` (PEP 562) imports the real
+class when the annotation is evaluated, whatever was imported before.
 """
 
 from __future__ import annotations

@@ -99,7 +99,10 @@ class ToolPolicy:
     a call waits when the rule holds on its arguments (:meth:`approval_for`). ``approvals=N``
     asks for N approvals from distinct approvers, each holding ``approver_permission`` in their
     token when it is set; the first rejection decides. ``webhooks`` are URLs told about this
-    tool's approvals, besides ``DEX_WEBHOOK_URLS``.
+    tool's approvals, besides ``DEX_WEBHOOK_URLS``. ``allow_self_approval`` lets the identity
+    that made a call (the MCP client's token) decide it too; by default such a decision is
+    refused (:class:`~dex_tasks.agent.approvals.SelfApprovalError`), so the agent whose model a
+    person is meant to check cannot approve its own calls.
     """
 
     effect: EffectClass = EffectClass.UNCLASSIFIED
@@ -110,6 +113,7 @@ class ToolPolicy:
     approvals: int = 1
     approver_permission: str | None = None
     webhooks: tuple[str, ...] = ()
+    allow_self_approval: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "effect", parse_effect(self.effect))
@@ -132,6 +136,9 @@ class ToolPolicy:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                 raise InvalidPolicyError(f"webhooks: {url!r} is not an http(s) URL")
         object.__setattr__(self, "webhooks", urls)
+        if not isinstance(self.allow_self_approval, bool):
+            raise InvalidPolicyError(f"allow_self_approval must be a boolean, got "
+                                     f"{self.allow_self_approval!r}")
         if self.max_attempts is not None and self.max_attempts < 1:
             raise InvalidPolicyError(f"max_attempts must be at least 1, got {self.max_attempts}")
         object.__setattr__(self, "time_limit", seconds(self.time_limit, "time_limit"))
@@ -185,6 +192,8 @@ class ToolPolicy:
             data["approver_permission"] = self.approver_permission
         if self.webhooks:
             data["webhooks"] = list(self.webhooks)
+        if self.allow_self_approval:
+            data["allow_self_approval"] = True
         return data
 
     @classmethod
@@ -199,6 +208,7 @@ class ToolPolicy:
             approvals=data.get("approvals", 1),
             approver_permission=data.get("approver_permission"),
             webhooks=tuple(data.get("webhooks") or ()),
+            allow_self_approval=data.get("allow_self_approval", False),
         )
 
 

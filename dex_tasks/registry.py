@@ -216,6 +216,7 @@ def tool(
     approvals: int = 1,
     approver_permission: str | None = None,
     webhooks: tuple[str, ...] | list[str] = (),
+    allow_self_approval: bool = False,
 ) -> Any:
     """Register a function as a tool.
 
@@ -224,7 +225,8 @@ def tool(
     ``idempotentHint``, ``destructiveHint``), then from the session's default effect, else
     ``unclassified``. The function takes a :class:`ToolContext` first, then keyword arguments.
     ``requires_approval`` may be a rule on the arguments (``dex_tasks.rules.when``);
-    ``approvals``, ``approver_permission`` and ``webhooks`` are :class:`ToolPolicy`'s.
+    ``approvals``, ``approver_permission``, ``webhooks`` and ``allow_self_approval`` are
+    :class:`ToolPolicy`'s.
     """
 
     def decorate(func: Callable[..., R]) -> Tool[R]:
@@ -232,7 +234,8 @@ def tool(
         explicit = _explicit_policy(tool_name, effect, requires_approval, max_attempts,
                                     time_limit, approval_deadline,
                                     approvals=approvals, approver_permission=approver_permission,
-                                    webhooks=tuple(webhooks))
+                                    webhooks=tuple(webhooks),
+                                    allow_self_approval=allow_self_approval)
         registered = Tool(func, name=tool_name, policy=explicit, hints=hints)
         _REGISTRY[tool_name] = registered
         return registered
@@ -281,6 +284,7 @@ def _explicit_policy(
     approvals: int = 1,
     approver_permission: str | None = None,
     webhooks: tuple[str, ...] = (),
+    allow_self_approval: bool = False,
 ) -> ToolPolicy | None:
     if effect is not None:
         return ToolPolicy(
@@ -292,10 +296,11 @@ def _explicit_policy(
             approvals=approvals,
             approver_permission=approver_permission,
             webhooks=webhooks,
+            allow_self_approval=allow_self_approval,
         )
     if any(v is not None for v in (requires_approval, max_attempts, time_limit,
                                    approval_deadline, approver_permission)) \
-            or approvals != 1 or webhooks:
+            or approvals != 1 or webhooks or allow_self_approval:
         raise ToolDefinitionError(
             f"tool {tool_name!r}: requires_approval, max_attempts, time_limit and "
             "approval_deadline are part of an explicit policy; give effect= too"

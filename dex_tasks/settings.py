@@ -245,7 +245,14 @@ class DexSettings(BaseSettings):
         default=600, ge=1, description="Cap on a webhook's retry delay (whole seconds).",
     )
     webhook_timeout_seconds: float = Field(
-        default=10.0, gt=0, description="HTTP timeout of one webhook delivery.",
+        default=10.0, gt=0,
+        description="Total deadline of one webhook delivery attempt: connecting, sending and "
+        "reading the whole answer (a receiver that hangs or trickles is cut off then).",
+    )
+    webhook_concurrency: int = Field(
+        default=16, ge=1,
+        description="Webhook requests a worker's main process sends at once (deliveries never "
+        "use the pool's slots).",
     )
     public_url: str | None = Field(
         default=None,
@@ -289,8 +296,33 @@ class DexSettings(BaseSettings):
         return value
 
 
+POSTGRES_EXTRA = 'pip install -e ".[postgres]" in the dex-tasks checkout'
+"""How to install the PostgreSQL driver, as the README's Install section says (dex-tasks is not
+on PyPI yet: a checkout, or the wheel built from one, with ``[postgres]``)."""
+
 _STORE_URLS = "sqlite:///relative/path.db, sqlite:////absolute/path.db or " \
     "postgresql+psycopg://user:password@host:5432/dbname"
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file a ``sqlite://`` URL names, resolved against this process's folder (as the
+    driver resolves it); None for another store or an in-memory SQLite."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or not scheme.startswith("sqlite"):
+        return None
+    path = rest[1:].split("?", 1)[0] if rest.startswith("/") else ""
+    if not path or path == ":memory:":
+        return None
+    return Path(path) if path.startswith("/") else Path.cwd() / path
+
+
+def absolute_sqlite_url(url: str, folder: Path) -> str:
+    """``url`` with a relative SQLite path made absolute against ``folder`` (so that every
+    process, whatever its folder, opens the same file); any other URL as it is."""
+    scheme, _, rest = url.partition("://")
+    if scheme.startswith("sqlite") and rest.startswith("/") and rest[1:2] not in ("/", "", ":"):
+        return f"{scheme}:///{(folder / rest[1:]).resolve()}"
+    return url
 
 
 def check_database_url(url: str) -> str:
@@ -300,13 +332,13 @@ def check_database_url(url: str) -> str:
         raise ValueError(f"is not a URL: use {_STORE_URLS}")
     if scheme in {"postgres", "postgresql"}:
         raise ValueError(f"names no driver: use postgresql+psycopg://{rest} (the psycopg 3 "
-                         'driver, pip install "dex-tasks[postgres]")')
+                         f"driver: {POSTGRES_EXTRA})")
     if scheme.startswith("postgresql+psycopg") and scheme != "postgresql+psycopg2":
         try:
             import psycopg  # noqa: F401  (only to learn whether the extra is installed)
         except ImportError:
-            raise ValueError('is a PostgreSQL URL, but its driver is not installed: '
-                             'pip install "dex-tasks[postgres]"') from None
+            raise ValueError("is a PostgreSQL URL, but its driver is not installed: "
+                             f"{POSTGRES_EXTRA}") from None
         return url
     if scheme.startswith("sqlite"):
         if rest and not rest.startswith("/"):
@@ -351,9 +383,20 @@ def default_state_dir() -> Path:
     return Path(base) / "dex-tasks"
 
 
-def settings_help() -> str:
-    """One line per setting with its environment variable, for CLI help texts."""
+def settings_lines(settings: DexSettings) -> list[str]:
+    """Each setting for ``dex-tasks config``: ``DEX_NAME=value`` (secrets only as set or not,
+    URLs without their passwords; "(default)" when the environment does not set it), then its
+    description, indented."""
     lines = []
     for name, field in DexSettings.model_fields.items():
-        lines.append(f"DEX_{name.upper()}: {field.description}")
-    return "\n".join(lines)
+        value = getattr(settings, name)
+        if isinstance(value, SecretStr):
+            shown = "(set)"
+        elif value is None:
+            shown = "(not set)"
+        else:
+            shown = redact(str(value))
+        variable = f"DEX_{name.upper()}"
+        default = "" if variable in os.environ else "  (default)"
+        lines += [f"{variable}={shown}{default}", f"    {field.description}"]
+    return lines

@@ -12,7 +12,10 @@ confused with a session's: no session id, whatever its text, makes a token cover
 A payload with both, or neither, is refused.
 
 Permissions: :data:`VIEW` reads a session (snapshot, events, the page, read-only);
-:data:`OPERATE` also decides its approvals (and implies :data:`VIEW`). Tokens issued before
+:data:`OPERATE` also decides its approvals (and implies :data:`VIEW`); :data:`CALL` calls tools
+through ``dex-tasks mcp --http`` and nothing else: it neither reads the session nor decides, so
+the token an MCP client (an agent) holds cannot approve the calls its model makes
+(``dex-tasks token SESSION --permission call``). Tokens issued before
 :data:`VIEW` existed carry ``["operate"]`` and keep working unchanged. A token may also carry
 named permissions (``refunds.approve``), signed like the rest: a policy with
 ``approver_permission`` accepts approvals only from tokens holding it
@@ -25,6 +28,7 @@ session or without the permission asked for: "not you", 403).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import math
 import time
@@ -43,6 +47,7 @@ from dex_tasks.errors import (
 from dex_tasks.policy import check_permission_name
 
 __all__ = [
+    "CALL",
     "OPERATE",
     "PERMISSIONS",
     "VIEW",
@@ -51,6 +56,7 @@ __all__ = [
     "TokenClaims",
     "issue_token",
     "read_token",
+    "token_identity",
     "verify_token",
 ]
 
@@ -60,7 +66,10 @@ VIEW = "view"
 OPERATE = "operate"
 """The permission to read a session and decide its approvals."""
 
-PERMISSIONS = (VIEW, OPERATE)
+CALL = "call"
+"""The permission to call tools through the MCP server; it grants nothing else."""
+
+PERMISSIONS = (VIEW, OPERATE, CALL)
 """The permissions a token can be issued with."""
 
 _SALT = "dex-tasks.session-token.v1"
@@ -113,6 +122,18 @@ class TokenClaims:
             raise ForbiddenSessionError("the token is for another session")
         if not self.allows(permission):
             raise ForbiddenSessionError(f"the token does not grant the {permission!r} permission")
+
+
+def token_identity(token: str, claims: TokenClaims) -> str:
+    """Who holds ``token``, as the store records the caller of a call and compares deciders.
+
+    The token's name (``--approver``) when it has one: every token minted with that name is the
+    same person or program. Otherwise the token itself stands for its holder (a digest of it,
+    never the token: ``token:`` and 24 hex digits).
+    """
+    if claims.approver:
+        return claims.approver
+    return "token:" + hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()[:24]
 
 
 def _serializer(secret: str) -> URLSafeSerializer:

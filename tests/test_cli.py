@@ -164,6 +164,45 @@ def test_a_worker_with_a_mistyped_tool_module_says_which_in_one_line(
         "(e.g. DEX_TOOLS=my_company.tools)"]
 
 
+def test_a_tool_module_with_a_syntax_error_is_one_line_with_file_and_line(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    # Given a tools module that does not compile (line 4)
+    (tmp_path / "typo_tools.py").write_text(
+        "from dex_tasks import ToolContext, tool\n\n@tool(effect='read')\n"
+        "def lookup(ctx: ToolContext, order_id: str) -> dict\n    return {}\n")
+    env = {**cli_env, "PYTHONPATH": str(tmp_path)}
+    # When a worker imports it: one line with the file, the line and Python's error
+    result = run_dex(["worker", "--tools", "typo_tools"], env)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: tool module 'typo_tools' does not compile: {tmp_path / 'typo_tools.py'}:4: "
+        "expected ':'"]
+
+
+def test_help_lists_the_commands_and_config_lists_the_settings(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --help: the commands, and one line on where the settings are (not 160 lines of them)
+    result = runner.invoke(app, ["--help"], env={"COLUMNS": "100"})
+    assert result.exit_code == 0
+    assert "│ worker " in result.output and "│ dev " in result.output
+    assert "DEX_REDIS_URL" not in result.output and "`dex-tasks config`" in result.output
+    assert len(result.output.splitlines()) < 70
+    # config: every setting with its value here, secrets only as set, passwords masked
+    monkeypatch.setenv("DEX_SECRET_KEY", "never-shown-secret")
+    monkeypatch.setenv("DEX_DATABASE_URL", "postgresql+psycopg://dex:hunter2@db/dex")
+    shown = runner.invoke(app, ["config"])
+    assert shown.exit_code == 0, shown.output
+    lines = shown.output.splitlines()
+    assert "DEX_SECRET_KEY=(set)" in lines
+    assert "DEX_DATABASE_URL=postgresql+psycopg://dex:***@db/dex" in lines
+    assert "DEX_LEASE_SECONDS=30.0  (default)" in lines
+    assert sum(line.startswith("DEX_") for line in lines) == len(DexSettings.model_fields)
+    assert "never-shown-secret" not in shown.output and "hunter2" not in shown.output
+
+
 @pytest.mark.parametrize(("args", "option"), [
     (["token", "s1", "--ttl", "-5"], "'--ttl'"),
     (["token", "s1", "--ttl", "nan"], "'--ttl'"),

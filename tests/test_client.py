@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -242,3 +243,19 @@ def test_a_store_with_no_catalog_says_so_instead_of_unknown_tool(
             c.call_tool(session_id="s", turn_id="t", tool_call_id="c", tool="lookup_orders",
                         arguments={})
         assert err.value.empty_catalog_at is None
+
+
+def test_an_empty_catalog_names_the_file_a_relative_sqlite_url_opens(
+        redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given an agent started in another folder than the workers, on sqlite:///dex.db
+    from dex_tasks.errors import UnknownToolError
+    from tests.conftest import fast_settings
+
+    monkeypatch.chdir(tmp_path)
+    with DexClient(fast_settings(redis_url, "sqlite:///dex.db")) as c:
+        with pytest.raises(UnknownToolError) as err:
+            c.call_tool(session_id="s", turn_id="t", tool_call_id="c", tool="lookup_orders",
+                        arguments={})
+    # Then the error says which file that is, and that it depends on the folder
+    assert (f"no worker has published tools to sqlite:///dex.db (the file {tmp_path}/dex.db, "
+            "relative to this process's folder)") in str(err.value)

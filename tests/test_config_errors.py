@@ -73,7 +73,7 @@ def test_a_postgresql_url_without_the_postgres_extra_names_the_extra() -> None:
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
         env=env_with(DEX_DATABASE_URL="postgresql+psycopg://dex@127.0.0.1/dex"))
     assert_one_line(result, "is a PostgreSQL URL, but its driver is not installed: "
-                            'pip install "dex-tasks[postgres]"')
+                            'pip install -e ".[postgres]" in the dex-tasks checkout')
 
 
 def test_a_conflicting_repeat_says_what_differs_in_plain_words() -> None:

@@ -126,6 +126,12 @@ def test_keep_running_on_configured_redis_and_store_until_ctrl_c(
         import httpx
 
         assert httpx.get(f"{api.group(1)}/healthz", timeout=5).status_code == 200
+        # And its metrics command works as printed (the token is the demo's own: shown)
+        metrics = re.findall(r'curl -H "Authorization: Bearer (\S+)" (http://\S+/metrics)', text)
+        assert len(metrics) == 2 and metrics[0] == metrics[1], text
+        scraped = httpx.get(metrics[0][1], headers={"Authorization": f"Bearer {metrics[0][0]}"},
+                            timeout=30)
+        assert scraped.status_code == 200 and "dex_tool_calls_ended_total" in scraped.text
         # And every page link it printed is live while it runs
         links = re.findall(r"(http://127\.0\.0\.1:\d+/sessions/demo-[0-9a-f]+\?token=\S+)", text)
         assert len(links) == 2, text

@@ -5,8 +5,10 @@ A page's code is run the way a reader would run it, top to bottom:
 * a ```python block whose first line is ``# name.py`` is a file the reader saves: it is written
   to a folder on the workers' and the page's ``PYTHONPATH``;
 * ```bash lines that start ``dex-tasks worker --tools X`` (``dex-tasks beat``) are the
-  terminals the reader opens: the test starts a real worker serving X (a real beat). A page
-  that names no worker gets one serving ``workers.example_tools``;
+  terminals the reader opens: the test starts a real worker serving X (a real beat);
+  ``dex-tasks dev --tools X`` is both (tests/test_dev.py runs the README's Quick start on the
+  real ``dev``, from the exports it prints). A page that names no worker gets one serving
+  ``workers.example_tools``;
 * every other ```python block runs, in order, in one interpreter (the blocks share their
   names, as a reader's session does), with ``DEX_REDIS_URL`` and ``DEX_DATABASE_URL`` pointing
   at this test's private Redis and a fresh SQLite store;
@@ -52,19 +54,19 @@ class Page:
 
     @property
     def worker_tools(self) -> list[str]:
-        tools = [arg for cmd in self.shell if cmd[:1] == ["worker"]
+        tools = [arg for cmd in self.shell if cmd[:1] in (["worker"], ["dev"])
                  for opt, arg in itertools.pairwise(cmd) if opt == "--tools"]
         return tools or [DEFAULT_TOOLS]
 
     @property
     def wants_worker(self) -> bool:
         """A page whose code makes calls, or that tells the reader to start a worker."""
-        return any(cmd[:1] == ["worker"] for cmd in self.shell) \
+        return any(cmd[:1] in (["worker"], ["dev"]) for cmd in self.shell) \
             or any(re.search(r"\bcall_tools?\(|DexClient", script) for script in self.scripts)
 
     @property
     def wants_beat(self) -> bool:
-        return any(cmd[:1] == ["beat"] for cmd in self.shell)
+        return any(cmd[:1] in (["beat"], ["dev"]) for cmd in self.shell)
 
 
 def dedent(body: str, indent: str) -> str:
@@ -212,6 +214,15 @@ def test_the_readme_is_a_front_page() -> None:
     assert "Python >= 3.11" in readme and "PostgreSQL" in readme and "[postgres]" in readme
     for link in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert (ROOT / link).is_file(), link
+
+
+@pytest.mark.parametrize("path", PAGES, ids=[p.name for p in PAGES])
+def test_no_page_has_two_sections_of_the_same_name(path: Path) -> None:
+    # (getting-started once had two "Install" sections that disagreed on the extras)
+    text = FENCE.sub("", path.read_text())
+    headings = re.findall(r"^(#{2,3} .+)$", text, re.M)
+    assert len(headings) == len(set(headings)), sorted(h for h in headings
+                                                       if headings.count(h) > 1)
 
 
 @pytest.mark.parametrize("path", PAGES, ids=[p.name for p in PAGES])

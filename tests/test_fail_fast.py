@@ -221,7 +221,8 @@ def test_a_postgresql_url_without_the_postgres_extra_names_the_extra(process: st
     # Then the process ends at once, naming the extra to install
     assert time.monotonic() - started < EXIT_WITHIN
     assert result.returncode != 0
-    says = 'is a PostgreSQL URL, but its driver is not installed: pip install "dex-tasks[postgres]"'
+    says = ("is a PostgreSQL URL, but its driver is not installed: "
+            'pip install -e ".[postgres]" in the dex-tasks checkout')
     if process == "agent":
         # (a library raises: ConfigurationError's one line is the traceback's last)
         assert result.stderr.strip().splitlines()[-1].endswith(says), result.stderr

@@ -144,14 +144,14 @@ def test_over_http_tokens_approvals_progress_rejections_and_retries(
     # Given no token, a forged one, or a view token: refused before anything is read
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
     assert httpx.post(http_server, json=body).status_code == 401
-    forged = issue_token("another-secret", "s-http")
+    forged = issue_token("another-secret", "s-http", permissions=["call"])
     assert httpx.post(http_server, json=body,
                       headers={"Authorization": f"Bearer {forged}"}).status_code == 401
     view = issue_token(SECRET, "s-http", permissions=["view"])
     refused = httpx.post(http_server, json=body, headers={"Authorization": f"Bearer {view}"})
-    assert refused.status_code == 403 and "operate" in refused.json()["error"]
+    assert refused.status_code == 403 and "'call' permission" in refused.json()["error"]
 
-    token = issue_token(SECRET, "s-http", approver="agent")
+    token = issue_token(SECRET, "s-http", approver="agent", permissions=["call"])
     progress: list[tuple[float, str | None]] = []
 
     async def on_progress(value: float, total: float | None, message: str | None) -> None:

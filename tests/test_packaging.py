@@ -121,3 +121,51 @@ def test_every_public_name_resolves() -> None:
     for name in dex_tasks.__all__:
         assert getattr(dex_tasks, name) is not None, name
     assert set(dex_tasks.__all__) <= set(dir(dex_tasks))
+
+
+_HINTS_SCRIPT = '''
+import inspect, json, sys, typing
+import dex_tasks
+from dex_tasks import DexClient
+
+# First, before any client exists or any stand-in was touched: the issue's case
+first = typing.get_type_hints(DexClient.__init__)
+from dex_tasks.settings import DexSettings
+assert first["settings"] == (DexSettings | None), first
+targets = []
+for name in dex_tasks.__all__:
+    obj = getattr(dex_tasks, name)
+    targets.append((name, obj))
+    if inspect.isclass(obj):
+        targets += [(f"{name}.{m}", f) for m, f in vars(obj).items()
+                    if not m.startswith("_") or m == "__init__"]
+if sys.argv[1] == "reversed":
+    targets.reverse()
+failed = {}
+for label, target in targets:
+    target = getattr(getattr(target, "fget", target), "__func__", getattr(target, "fget", target))
+    if not (inspect.isfunction(target) or inspect.isclass(target)):
+        continue
+    try:
+        hints = typing.get_type_hints(target)
+    except Exception as err:
+        failed[label] = f"{type(err).__name__}: {err}"
+        continue
+    if "deferred import" in repr(hints) or "_StandIn" in repr(hints):
+        failed[label] = repr(hints)
+print(json.dumps({"failed": failed, "checked": len(targets),
+                  "client": typing.get_type_hints(DexClient)["store"].__module__}))
+'''
+
+
+def test_annotations_evaluate_to_the_real_classes_whatever_the_import_order() -> None:
+    # Issue 28, item 11: typing.get_type_hints(DexClient.__init__) met lazy.py's stand-ins
+    # (`_StandIn | None`) until the first client was built; FastAPI, pydantic's validate_call
+    # and doc tools read annotations that way. In a fresh interpreter each time, in two orders:
+    for order in ("forward", "reversed"):
+        out = subprocess.run([sys.executable, "-c", _HINTS_SCRIPT, order], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert result["failed"] == {}, (order, result["failed"])
+        assert result["checked"] > 100 and result["client"] == "dex_tasks.store"

@@ -70,9 +70,9 @@ from dex_tasks.store.tables import INSERT_EVENT
 __all__ = [
     "ALREADY_DECIDED", "APPROVAL_COUNTED", "APPROVAL_EDITED", "DEADLINE_PASSED",
     "REFUSAL_REASONS", "UNKNOWN_INTERRUPT", "WRONG_SESSION", "ApproverPermissionError",
-    "InvalidEditError", "SnapshotWindow", "StaleApprovalError", "get_interrupt", "list_pending",
-    "refusal_reason",
-    "rejection_error", "resolve_interrupt", "session_snapshot",
+    "InvalidEditError", "SelfApprovalError", "SnapshotWindow", "StaleApprovalError",
+    "get_interrupt", "list_pending", "refusal_reason", "rejection_error", "resolve_interrupt",
+    "session_snapshot",
 ]
 
 log = logging.getLogger("dex_tasks.agent.approvals")
@@ -104,6 +104,11 @@ class ApproverPermissionError(ForbiddenSessionError):
     changed (HTTP 403)."""
 
 
+class SelfApprovalError(ApproverPermissionError):
+    """The identity that made the call tried to decide it, and the tool's policy does not
+    allow self-approval (``allow_self_approval``). Nothing changed (HTTP 403)."""
+
+
 class _CallNotAwaiting(Exception):
     """The interrupt was undecided but its call is not awaiting approval: roll back."""
 
@@ -124,6 +129,7 @@ def resolve_interrupt(
     arguments: Mapping[str, Any] | None = None,
     permissions: Sequence[str] | None = None,
     arguments_version: str | None = None,
+    identity: str | None = None,
 ) -> bool:
     """Decide a pending approval; True if this call decided it (or, for a policy that needs
     several approvals, counted this approver's), False if it changed nothing.
@@ -156,6 +162,10 @@ def resolve_interrupt(
     that names no version (neither ``arguments_version`` nor ``arguments``) approves the
     model's arguments as they were asked: once an approver edited them, it is refused the
     same way, so no one's approval counts for a version they were not shown.
+    Self-approval: a call records who made it (``call_tool(requested_by=...)``, the MCP
+    server's client). A decision, approval or rejection, by that same identity (``identity``,
+    else ``approver``) raises :class:`SelfApprovalError` and changes nothing, unless the tool's
+    policy has ``allow_self_approval=True``.
     """
     check_id("session_id", session_id, SESSION_ID_MAX)
     check_id("interrupt_id", interrupt_id, INTERRUPT_ID_MAX)
@@ -196,10 +206,17 @@ def resolve_interrupt(
                 )
                 .values(approvals_given=INTERRUPTS.c.approvals_given)
                 .returning(INTERRUPTS.c.key, INTERRUPTS.c.approvals_required,
-                           INTERRUPTS.c.approvals_given, INTERRUPTS.c.approver_permission)
+                           INTERRUPTS.c.approvals_given, INTERRUPTS.c.approver_permission,
+                           INTERRUPTS.c.requested_by, INTERRUPTS.c.self_approval)
             ).first()
             if row is None:
                 return False
+            decider = identity or approver
+            if (row.requested_by is not None and decider == row.requested_by
+                    and not row.self_approval):
+                raise SelfApprovalError(
+                    f"{decider} made this call and may not decide it: a person decides (the "
+                    "tool's policy does not set allow_self_approval)")
             key: str = row.key
             required = row.approvals_required or 1
             if row.approver_permission is not None and row.approver_permission not in held:

@@ -134,6 +134,7 @@ def new_call(
     arguments: dict[str, Any], args_json: str, info: ToolInfo, *,
     default_effect: EffectClass | str | None, approval_deadline: float | None,
     expires_in: float | None, default_max_attempts: int, now: float | None = None,
+    requested_by: str | None = None,
 ) -> NewCall:
     """Resolve the call's policy and build its row (and interrupt), as ``call_tool`` stores it.
 
@@ -143,7 +144,9 @@ def new_call(
     the normalized arguments, which are what the call records and the worker runs: a rule
     cannot be slipped past with ``"true"`` for ``true`` or a default left out. Arguments the
     schema refuses are recorded as the model sent them and the call is ended "did not run" at
-    once (``NewCall.invalid``), whatever its effect class.
+    once (``NewCall.invalid``), whatever its effect class. ``requested_by`` is the identity
+    that makes the call (the MCP server's client): it may not decide the call's approval unless
+    the policy allows self-approval.
     """
     policy = resolve_policy(info.policy, info.hints, default_effect)
     invalid: str | None = None
@@ -163,7 +166,7 @@ def new_call(
                            approval_deadline=approval_deadline, expires_in=expires_in,
                            hold=decision.required and invalid is None,
                            default_max_attempts=default_max_attempts,
-                           now=time.time() if now is None else now)
+                           now=time.time() if now is None else now, requested_by=requested_by)
     row["requires_approval"] = decision.required
     snapshot = decision.snapshot()
     # Plain json.dumps: the snapshot is the rule's own checked JSON and a text of ours.
@@ -175,7 +178,7 @@ def new_call(
 def _rows(
     key: str, session_id: str, turn_id: str, tool_call_id: str, tool: str, args_json: str,
     policy: ToolPolicy, *, approval_deadline: float | None, expires_in: float | None,
-    hold: bool, default_max_attempts: int, now: float,
+    hold: bool, default_max_attempts: int, now: float, requested_by: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     interrupt = None
     interrupt_id = None
@@ -192,6 +195,8 @@ def _rows(
             "approvals_given": 0,
             "approver_permission": policy.approver_permission,
             "webhook_urls": canonical_json(list(policy.webhooks)) if policy.webhooks else None,
+            "requested_by": requested_by,
+            "self_approval": policy.allow_self_approval or None,
         }
     row = {
         "key": key,

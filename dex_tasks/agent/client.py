@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import ValidationError
 
+from dex_tasks.agent import hints
 from dex_tasks.agent.calls import (
     NewCall,
     ToolCallRequest,
@@ -33,6 +34,7 @@ from dex_tasks.errors import (
     UnknownToolError,
 )
 from dex_tasks.lazy import Deferred
+from dex_tasks.limits import APPROVER_MAX, check_id
 from dex_tasks.policy import EffectClass, seconds
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
 
@@ -91,7 +93,8 @@ class DexClient(SessionMethods):
     The session's reads, waits, approvals, messages and durable turns are inherited from
     :class:`~dex_tasks.agent.session_methods.SessionMethods`."""
 
-    def __init__(self, settings: DexSettings | None = None, *, create_tables: bool = True) -> None:
+    def __init__(self, settings: hints.DexSettings | None = None, *,
+                 create_tables: bool = True) -> None:
         self.settings = settings or DexSettings()
         # An agent process idles between turns, and the server (or a proxy) may close its
         # pooled connections meanwhile: one that sat idle a second is tested before use. The
@@ -127,14 +130,14 @@ class DexClient(SessionMethods):
         return cls(DexSettings())
 
     @property
-    def app(self) -> Celery:
+    def app(self) -> hints.Celery:
         """The Celery app used to publish (created on first use)."""
         if self._app is None:
             self._app = create_app(self.settings, publisher=True)
         return self._app
 
     @property
-    def checkpoints(self) -> Checkpoints:
+    def checkpoints(self) -> hints.Checkpoints:
         """LangGraph checkpoints kept in this client's store (what ``DexCheckpointer`` uses)."""
         return Checkpoints(self.store)
 
@@ -165,7 +168,8 @@ class DexClient(SessionMethods):
         default_effect: EffectClass | str | None = None,
         approval_deadline: float | timedelta | None = None,
         expires_in: float | timedelta | None = None,
-    ) -> ToolCallRecord:
+        requested_by: str | None = None,
+    ) -> hints.ToolCallRecord:
         """Record a tool call and start it (or hold it for approval); returns its record.
 
         Calling again with the same ids returns the same record without running anything; the
@@ -173,9 +177,13 @@ class DexClient(SessionMethods):
         ``default_effect`` is the session's default, used when the tool has neither a policy
         nor MCP hints. ``approval_deadline`` overrides the policy's (seconds from now);
         ``expires_in`` bounds how long the call may wait in the queue before it fails as
-        "did not run".
+        "did not run". ``requested_by`` names who makes the call (the MCP server passes its
+        client's token identity): that identity cannot decide the call's approval unless the
+        tool's policy has ``allow_self_approval``.
         """
         key = idempotency_key(session_id, turn_id, tool_call_id)
+        if requested_by is not None:
+            check_id("requested_by", requested_by, APPROVER_MAX)
         check_tool_name(tool)
         plain, args_json = checked_arguments(arguments)
         deadline = seconds(approval_deadline, "approval_deadline")
@@ -194,7 +202,7 @@ class DexClient(SessionMethods):
         call = new_call(
             key, session_id, turn_id, tool_call_id, tool, plain, args_json, info,
             default_effect=default_effect, approval_deadline=deadline, expires_in=expires,
-            default_max_attempts=self.settings.default_max_attempts,
+            default_max_attempts=self.settings.default_max_attempts, requested_by=requested_by,
         )
         # Insert first, read only on conflict: a new call costs one write transaction, and a
         # repeated key is told apart by the primary key, not by a read that could race.
@@ -224,7 +232,7 @@ class DexClient(SessionMethods):
         default_effect: EffectClass | str | None = None,
         approval_deadline: float | timedelta | None = None,
         expires_in: float | timedelta | None = None,
-    ) -> list[ToolCallRecord]:
+    ) -> list[hints.ToolCallRecord]:
         """Record a turn's parallel tool calls in one transaction and start them with one Redis
         round trip; returns their records in the order given.
 
@@ -326,7 +334,9 @@ class DexClient(SessionMethods):
             records.append(ToolCallRecord.from_row(row))
         return records
 
-    def list_tools(self, default_effect: EffectClass | str | None = None) -> list[ToolSpec]:
+    def list_tools(
+        self, default_effect: EffectClass | str | None = None,
+    ) -> list[hints.ToolSpec]:
         """Every tool the workers published (and any registered in this process), by name:
         each one's ``name``, ``description`` (its docstring), ``parameters`` (the JSON schema
         of its arguments) and the ``policy`` a call made now would get, given the session's
@@ -436,7 +446,7 @@ class DexClient(SessionMethods):
         default_effect: EffectClass | str | None = None,
         approval_deadline: float | timedelta | None = None,
         expires_in: float | timedelta | None = None,
-    ) -> list[ToolCallRecord]:
+    ) -> list[hints.ToolCallRecord]:
         """Journal one model response of the turn and start the calls it requested; returns
         their records in the order given.
 

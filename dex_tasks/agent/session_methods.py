@@ -11,30 +11,21 @@ publishing, the catalog) and each module one role.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from dex_tasks.agent import hints
 from dex_tasks.errors import CallNotFoundError
 from dex_tasks.lazy import Deferred
 
 # Celery, SQLAlchemy and Redis are imported when first used, not with this module (see
 # dex_tasks.lazy): ``from dex_tasks import DexClient`` stays cheap.
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
-
-    from celery import Celery
-
     from dex_tasks.agent import approvals, session_views, turns
     from dex_tasks.broker import notify
     from dex_tasks.broker.redis_clients import connector
-    from dex_tasks.settings import DexSettings
-    from dex_tasks.store import Store, transcript
-    from dex_tasks.store.records import (
-        AgentSnapshot,
-        CallEvent,
-        SessionMessage,
-        ToolCallRecord,
-        Turn,
-    )
+    from dex_tasks.store import transcript
+    from dex_tasks.store.records import CallEvent, ToolCallRecord
 else:
     _deferred = Deferred(globals())
     approvals, session_views, turns = _deferred("dex_tasks.agent", "approvals", "session_views",
@@ -55,17 +46,17 @@ class SessionMethods:
     """Reads, waits, approvals, messages and durable turns of :class:`DexClient` (its base
     class: see the module's docstring)."""
 
-    store: Store
-    settings: DexSettings
-    _watcher: notify.CallWatcher | None = None
+    store: hints.Store
+    settings: hints.DexSettings
+    _watcher: hints.CallWatcher | None = None
 
     @property
-    def app(self) -> Celery:
+    def app(self) -> hints.Celery:
         """The Celery app used to publish (``DexClient`` creates it on first use)."""
         raise NotImplementedError
 
     @property
-    def watcher(self) -> notify.CallWatcher:
+    def watcher(self) -> hints.CallWatcher:
         """The Redis subscription ``wait`` is woken through (started on first use)."""
         if self._watcher is None:
             self._watcher = notify.CallWatcher(connector(self.settings))
@@ -76,14 +67,14 @@ class SessionMethods:
         if self._watcher is not None:
             self._watcher.close()
 
-    def get_tool_call(self, key: str) -> ToolCallRecord:
+    def get_tool_call(self, key: str) -> hints.ToolCallRecord:
         """The call's record; :class:`CallNotFoundError` if no call has that key."""
         row = self.store.get_call(key)
         if row is None:
             raise CallNotFoundError(key)
         return ToolCallRecord.from_row(row)
 
-    def wait(self, key: str, timeout: float = 30.0) -> ToolCallRecord:
+    def wait(self, key: str, timeout: float = 30.0) -> hints.ToolCallRecord:
         """Block until the call is terminal and return it; ``TimeoutError`` after ``timeout``.
 
         Woken by the Redis notification sent when the call ends (see ``notify.py``), so the
@@ -102,7 +93,7 @@ class SessionMethods:
                 if record.terminal:
                     return record
 
-    def get_agent_snapshot(self, session_id: str) -> AgentSnapshot:
+    def get_agent_snapshot(self, session_id: str) -> hints.AgentSnapshot:
         """The session as one consistent read: ``.tool_calls``, ``.messages`` (the transcript:
         user, assistant and tool messages, oldest first), ``.pending_interrupts`` (approvals
         waiting, deadline not passed) and ``.decided`` (who decided each past approval, when,
@@ -121,6 +112,7 @@ class SessionMethods:
         arguments: Mapping[str, Any] | None = None,
         permissions: Sequence[str] | None = None,
         arguments_version: str | None = None,
+        identity: str | None = None,
     ) -> bool:
         """Approve or reject a pending call; True if this call decided, False otherwise.
 
@@ -132,12 +124,15 @@ class SessionMethods:
         holds, for a policy that names an ``approver_permission`` (see
         ``agent.approvals.resolve_interrupt``). ``arguments_version``: the
         ``PendingInterrupt.arguments_version`` the approver saw; an approval of a version
-        edited meanwhile raises ``StaleApprovalError`` and changes nothing.
+        edited meanwhile raises ``StaleApprovalError`` and changes nothing. ``identity``: who
+        decides, compared with who made the call (default: ``approver``); the caller's own
+        decision raises ``SelfApprovalError`` unless the policy allows self-approval.
         """
         return approvals.resolve_interrupt(
             self.store, self.app, session_id, interrupt_id, approved,
             rejection_message=rejection_message, approver=approver,
             arguments=arguments, permissions=permissions, arguments_version=arguments_version,
+            identity=identity,
         )
 
     def why_not_resolved(self, session_id: str, interrupt_id: str) -> str | None:
@@ -160,7 +155,8 @@ class SessionMethods:
         """
         return transcript.send_user_message(self.store, session_id, text) is not None
 
-    def add_assistant_message(self, session_id: str, turn_id: str, text: str) -> SessionMessage:
+    def add_assistant_message(self, session_id: str, turn_id: str,
+                              text: str) -> hints.SessionMessage:
         """Record the model's own text of turn ``turn_id`` in the session's transcript.
 
         In a durable turn (:meth:`begin_turn`) this is the model's answer without tools: it
@@ -174,7 +170,7 @@ class SessionMethods:
     # -- durable turns (agent/turns.py) ---------------------------------------------------------
 
     def begin_turn(self, session_id: str, input_text: str, *,
-                   turn_id: str | None = None) -> Turn:
+                   turn_id: str | None = None) -> hints.Turn:
         """Begin a durable turn of the session with the user's ``input_text``, or continue the
         one a previous run left open; returns the :class:`Turn`.
 
@@ -192,7 +188,7 @@ class SessionMethods:
         return turns.begin_turn(self.store, session_id, input_text, turn_id)
 
     def end_turn(self, session_id: str, turn_id: str, text: str, *,
-                 response: str | None = None) -> SessionMessage:
+                 response: str | None = None) -> hints.SessionMessage:
         """The model answered without requesting tools: record its answer ``text`` (and its
         serialised ``response``) as an assistant message and end the turn; only then are the
         user messages that waited for it delivered, after the answer in the transcript.
@@ -202,12 +198,12 @@ class SessionMethods:
         """
         return turns.end_turn(self.store, session_id, turn_id, text, response)
 
-    def open_turn(self, session_id: str) -> Turn | None:
+    def open_turn(self, session_id: str) -> hints.Turn | None:
         """The session's open turn with its journaled steps and their calls' records, in one
         read; None when no turn of the session is open."""
         return turns.open_turn(self.store, session_id)
 
-    def events(self, session_id: str, after: int = 0) -> list[CallEvent]:
+    def events(self, session_id: str, after: int = 0) -> list[hints.CallEvent]:
         """The session's events after cursor ``after`` (an event's ``id``)."""
         return [CallEvent.from_row(r) for r in self.store.events(session_id, after)]
 
@@ -224,7 +220,7 @@ class WaitPauses:
         self.deadline = time.monotonic() + timeout
         self.fast = FAST_POLL_FIRST
 
-    def next(self, record: ToolCallRecord, live: bool) -> float:
+    def next(self, record: hints.ToolCallRecord, live: bool) -> float:
         """The next pause; ``TimeoutError`` (naming the call's status) once time is up."""
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:

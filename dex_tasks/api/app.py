@@ -105,7 +105,7 @@ from dex_tasks.errors import InvalidArgumentError, StoreUnavailableError
 from dex_tasks.limits import KEY_MAX
 from dex_tasks.logs import redact_logger
 from dex_tasks.settings import DexSettings
-from dex_tasks.tokens import OPERATE, VIEW, TokenClaims
+from dex_tasks.tokens import OPERATE, VIEW, TokenClaims, token_identity
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,8 @@ async def resolve_interrupt(request: Request, credentials: Bearer) -> Response:
     state = _state(request)
     # Nothing of the body has been read yet: a caller without a valid operate token is
     # answered from the headers alone, whatever it sends.
-    claims = authenticate(state.secret, pick_token(credentials))
+    presented = pick_token(credentials)
+    claims = authenticate(state.secret, presented)
     # The token's own scope (its session, or every session for an operator token): this
     # checks the permission alone, with the reason in the 403.
     authorize(claims, claims.session_id, OPERATE)
@@ -233,6 +234,7 @@ async def resolve_interrupt(request: Request, credentials: Bearer) -> Response:
             rejection_message=body.rejection_message, approver=claims.approver,
             arguments=body.arguments, permissions=claims.permissions,
             arguments_version=body.arguments_version,
+            identity=token_identity(presented, claims),
         )
     except ApproverPermissionError as err:
         raise HTTPException(403, detail=f"not allowed: {err}") from err

@@ -79,7 +79,7 @@ def create_app(settings: DexSettings, *, publisher: bool = False) -> Celery:
         # the reconcile job. A worker's own list of queues is set where it is built
         # (main_process.worker_app).
         task_default_queue=RECONCILE_QUEUE,
-        task_queues=[_queue(RECONCILE_QUEUE)],
+        task_queues=[broker_queue(RECONCILE_QUEUE)],
         task_routes={SWEEP: {"queue": RECONCILE_QUEUE}},
         # A worker takes a message only when a pool slot is free (Redis only, Celery 5.6+).
         # A message it had fetched ahead would wait behind its busy (or hung) slots while
@@ -123,13 +123,15 @@ def consume_queues(app: Celery, tools: Iterable[str]) -> list[str]:
     Set here rather than with ``-Q``, which splits on commas (a tool name may hold one).
     Returns the queue names.
     """
-    # Every worker also delivers webhooks (worker/webhooks.py): no tool code is needed.
-    names = [*sorted({queue_for(name) for name in tools}), RECONCILE_QUEUE, WEBHOOK_QUEUE]
-    app.conf.task_queues = [_queue(name) for name in names]
+    # Not the webhook queue: deliveries never take a slot a tool call could use. The worker's
+    # main process sends them itself (worker/webhooks.py), outside the pool.
+    names = [*sorted({queue_for(name) for name in tools}), RECONCILE_QUEUE]
+    app.conf.task_queues = [broker_queue(name) for name in names]
     return names
 
 
-def _queue(name: str) -> Queue:
+def broker_queue(name: str) -> Queue:
+    """The kombu queue ``name`` as every dex-tasks consumer and publisher declares it."""
     # Bound to an exchange of its own name with its name as the key, as the publisher's
     # send_task(queue=name) declares it. A bare Queue(name) would be bound to the default
     # exchange (dex.reconcile) with the default key: every message sent there (beat's

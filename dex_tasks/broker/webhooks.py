@@ -3,7 +3,8 @@
 ``install`` wires a store to the settings (``DEX_WEBHOOK_URLS``, ``DEX_PUBLIC_URL``) and to a
 publisher, so that every transaction that writes an approval event (``store/webhooks.py``)
 sends its deliveries once it has committed. A message carries the delivery id only (the store
-holds the body), has that id as its task id, and goes to the queue every worker consumes. A
+holds the body), has that id as its task id, and goes to ``dex.webhooks``, which every
+worker's main process consumes outside its pool (``worker/webhooks.py``). A
 publish that fails is logged and left to the republish sweep: it never fails or delays the
 transaction that made the event.
 """

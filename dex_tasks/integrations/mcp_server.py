@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from dex_tasks import (
@@ -56,10 +56,9 @@ from dex_tasks import (
     ForbiddenSessionError,
     InvalidArgumentError,
     InvalidCallError,
-    InvalidTokenError,
     ToolCallRecord,
     ToolSpec,
-    read_token,
+    token_identity,
     tool_message_text,
 )
 from dex_tasks.integrations.extras import needs_extra
@@ -70,12 +69,23 @@ with needs_extra("mcp", "dex_tasks.integrations.mcp_server"):
     from mcp.server.stdio import stdio_server
     from mcp.shared.exceptions import MCPError
 
+# After the SDK: without the extra, the line that names it names this module.
+from dex_tasks.integrations.mcp_gate import (
+    CLAIMS_STATE,
+    DEFAULT_MAX_REQUESTS_PER_TOKEN,
+    DEFAULT_MAX_SESSIONS_PER_TOKEN,
+    SESSION_IDLE_TIMEOUT,
+    TOKEN_STATE,
+    TokenGate,
+)
+
 __all__ = [
     "AWAITING_APPROVAL",
     "SESSION_META",
     "TOOL_CALL_META",
     "TURN_META",
     "DexMCPServer",
+    "HttpLimits",
     "serve",
     "serve_http",
     "serve_stdio",
@@ -94,7 +104,6 @@ AWAITING_APPROVAL = "DEX_AWAITING_APPROVAL"
 
 # An id goes into a key as it is when it is short and plain; otherwise a hash stands for it.
 _PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
-_CLAIMS_STATE = "dex_claims"
 _TOOLS_CACHE_SECONDS = 2.0
 
 
@@ -171,7 +180,7 @@ class DexMCPServer:
             session_id = self._session(ctx, meta)
             turn_id, tool_call_id = self._call_ids(ctx, meta)
         except DexError as err:
-            return _error(str(err))
+            return _error(f"{TOOL_DID_NOT_RUN}: {err}")
         if params.name not in await self.catalog():
             self._tools = None  # a tool published a moment ago: read the catalog again
             if params.name not in await self.catalog():
@@ -180,7 +189,7 @@ class DexMCPServer:
             record = await self.client.call_tool(
                 session_id=session_id, turn_id=turn_id, tool_call_id=tool_call_id,
                 tool=params.name, arguments=params.arguments or {},
-                default_effect=self.default_effect,
+                default_effect=self.default_effect, requested_by=_caller(ctx),
             )
         except DexError as err:
             # Refused before anything was stored (bad ids, a conflicting repeat): nothing ran.
@@ -242,8 +251,7 @@ class DexMCPServer:
         asked = meta.get(SESSION_META)
         if asked is not None and not isinstance(asked, str):
             raise InvalidCallError(f"_meta {SESSION_META} must be a string, got {asked!r}")
-        request = getattr(ctx, "request", None)
-        claims = getattr(getattr(request, "state", None), _CLAIMS_STATE, None)
+        claims = _request_state(ctx, CLAIMS_STATE)
         if claims is not None:  # HTTP: the token decides
             if claims.all_sessions:
                 chosen = asked or self.session_id
@@ -255,7 +263,15 @@ class DexMCPServer:
             if asked is not None and not claims.covers(asked):
                 raise ForbiddenSessionError("the token is for another session")
             return str(claims.session_id)
-        return asked or self.session_id or f"mcp-{self.connection_id}"
+        if self.session_id is not None:
+            # stdio pinned by the operator (--session): the client cannot move its calls into
+            # another session; naming the same one is harmless.
+            if asked is not None and asked != self.session_id:
+                raise ForbiddenSessionError(
+                    f"this server records its calls in session {self.session_id!r} "
+                    f"(--session); _meta {SESSION_META} {asked!r} names another")
+            return self.session_id
+        return asked or f"mcp-{self.connection_id}"
 
     def _call_ids(self, ctx: Any, meta: dict[str, Any]) -> tuple[str, str]:
         turn, call = meta.get(TURN_META), meta.get(TOOL_CALL_META)
@@ -270,6 +286,18 @@ class DexMCPServer:
         connection = headers.get("mcp-session-id") if headers is not None else None
         return (f"mcp-{_id_part(connection or self.connection_id)}",
                 f"rpc-{_id_part(str(ctx.request_id))}")
+
+
+def _request_state(ctx: Any, name: str) -> Any:
+    """An entry the token gate put in the HTTP request's state (None on stdio)."""
+    return getattr(getattr(getattr(ctx, "request", None), "state", None), name, None)
+
+
+def _caller(ctx: Any) -> str | None:
+    """Who makes an HTTP call: its token's identity, which may not decide the call's approval
+    (None on stdio, where there is no token)."""
+    claims, token = _request_state(ctx, CLAIMS_STATE), _request_state(ctx, TOKEN_STATE)
+    return token_identity(token, claims) if claims is not None and token else None
 
 
 def mcp_tool(spec: ToolSpec) -> types.Tool:
@@ -349,66 +377,43 @@ async def serve_stdio(dex: DexMCPServer) -> None:
         await server.run(read, write, server.create_initialization_options())
 
 
-Scope = MutableMapping[str, Any]
-ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
-                   Awaitable[None]]
-
-
-class TokenGate:
-    """ASGI middleware: a valid signed token, with the ``operate`` permission, before anything
-    of the request is read; its claims go to the handlers in the request's state."""
-
-    def __init__(self, app: ASGIApp, secret: str) -> None:
-        self.app = app
-        self.secret = secret
-
-    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
-                       send: Callable[[Any], Awaitable[None]]) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = header.partition(" ")
-        try:
-            if scheme.lower() != "bearer" or not token.strip():
-                raise InvalidTokenError("no token given: send Authorization: Bearer <token>")
-            claims = read_token(self.secret, token.strip())
-            if not claims.allows("operate"):
-                raise ForbiddenSessionError("the token does not grant the 'operate' permission")
-        except InvalidTokenError as err:
-            await _refuse(send, 401, str(err))
-            return
-        except ForbiddenSessionError as err:
-            await _refuse(send, 403, str(err))
-            return
-        scope.setdefault("state", {})[_CLAIMS_STATE] = claims
-        await self.app(scope, receive, send)
-
-
-async def _refuse(send: Callable[[Any], Awaitable[None]], status: int, text: str) -> None:
-    body = json.dumps({"error": text}).encode()
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]
-    if status == 401:
-        headers.append((b"www-authenticate", b'Bearer realm="dex-tasks"'))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
 def http_app(dex: DexMCPServer, secret: str, *, host: str = "127.0.0.1",
-             path: str = "/mcp") -> Any:
-    """The streamable HTTP app (an ASGI app), behind the token gate."""
+             path: str = "/mcp", limits: HttpLimits | None = None) -> Any:
+    """The streamable HTTP app (an ASGI app), behind the token gate (``mcp_gate``)."""
+    limits = limits or HttpLimits()
     server = dex.server(sessions_required=True)
-    app = server.streamable_http_app(streamable_http_path=path, host=host)
-    return TokenGate(app, secret)
+    app = server.streamable_http_app(streamable_http_path=path, host=host,
+                                     max_sessions=limits.max_sessions,
+                                     session_idle_timeout=SESSION_IDLE_TIMEOUT)
+    return TokenGate(app, secret, max_sessions_per_token=limits.max_sessions_per_token,
+                     max_requests_per_token=limits.max_requests_per_token,
+                     session_idle_timeout=SESSION_IDLE_TIMEOUT)
 
 
 def serve_http(dex: DexMCPServer, secret: str, *, host: str = "127.0.0.1", port: int = 8765,
-               log_level: str = "info") -> None:
+               log_level: str = "info", limits: HttpLimits | None = None) -> None:
     """Serve streamable HTTP at ``http://host:port/mcp`` until interrupted."""
     import uvicorn
 
-    uvicorn.run(http_app(dex, secret, host=host), host=host, port=port, log_level=log_level)
+    uvicorn.run(http_app(dex, secret, host=host, limits=limits), host=host, port=port,
+                log_level=log_level)
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """How much the HTTP server holds: ``max_sessions`` MCP sessions in all (the SDK's
+    limit), and per token ``max_sessions_per_token`` sessions and ``max_requests_per_token``
+    requests in progress (429 past either, see ``mcp_gate``)."""
+
+    max_sessions: int = 10_000
+    max_sessions_per_token: int = DEFAULT_MAX_SESSIONS_PER_TOKEN
+    max_requests_per_token: int = DEFAULT_MAX_REQUESTS_PER_TOKEN
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "max_sessions_per_token", "max_requests_per_token"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
 
 
 def run_stdio(dex: DexMCPServer) -> None:
@@ -419,17 +424,20 @@ def run_stdio(dex: DexMCPServer) -> None:
 def serve(settings: DexSettings, *, http: bool = False, host: str = "127.0.0.1",
           port: int = 8765, session_id: str | None = None, approval_timeout: float = 60.0,
           call_timeout: float = 120.0, page_url: str | None = None,
-          log_level: str = "warning") -> None:
+          log_level: str = "warning", max_sessions: int = 10_000,
+          max_sessions_per_token: int = DEFAULT_MAX_SESSIONS_PER_TOKEN,
+          max_requests_per_token: int = DEFAULT_MAX_REQUESTS_PER_TOKEN) -> None:
     """What ``dex-tasks mcp`` runs (registered as the ``mcp`` entry point of the
     ``dex_tasks.servers`` group): the catalog over stdio, or over streamable HTTP behind the
-    API's signed tokens, until interrupted."""
+    API's signed tokens (``call`` permission), until interrupted."""
+    limits = HttpLimits(max_sessions, max_sessions_per_token, max_requests_per_token)
     secret = settings.signing_key() if http else None
     client = AsyncDexClient(settings)
     dex = DexMCPServer(client, session_id=session_id, approval_timeout=approval_timeout,
                        call_timeout=call_timeout, page_url=page_url)
     try:
         if secret is not None:
-            serve_http(dex, secret, host=host, port=port, log_level=log_level)
+            serve_http(dex, secret, host=host, port=port, log_level=log_level, limits=limits)
         else:
             run_stdio(dex)
     finally:

@@ -19,18 +19,30 @@ from dex_tasks.errors import ConfigurationError, DexError
 from dex_tasks.logs import visible
 from dex_tasks.ops import cli_approvals, cli_inspect, cli_processes, cli_store
 from dex_tasks.ops.cli_common import until_store_answers
-from dex_tasks.settings import DexSettings, settings_help
+from dex_tasks.settings import DexSettings, settings_lines
 
 __all__ = ["app", "main", "until_store_answers"]
 
 app = typer.Typer(
-    help="Run AI agents' tool calls as Celery tasks.\n\nConfiguration (environment):\n\n"
-    + settings_help().replace("\n", "\n\n"),
+    help="Run AI agents' tool calls as Celery tasks.\n\nConfigured by DEX_* environment "
+    "variables: `dex-tasks config` lists them with their values.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
+config_commands = typer.Typer()
+
+
+@config_commands.command()
+def config() -> None:
+    """List every DEX_* setting: its value here (secrets only as set or not) and what it is."""
+    settings = DexSettings()  # a wrong value: one line per setting (main)
+    for line in settings_lines(settings):
+        typer.echo(line)
+
+
 for group in (cli_processes, cli_inspect, cli_approvals, cli_store):
     app.add_typer(group.commands)
+app.add_typer(config_commands)  # last: --help lists the commands people run first
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,10 +26,11 @@ def token(
         help="An operator token, valid for every session, which also opens GET /sessions "
              "(the sessions waiting for a decision).",
     ),
-    permission: Literal["view", "operate"] = typer.Option(
+    permission: Literal["view", "operate", "call"] = typer.Option(
         "operate", "--permission",
-        help="operate: read and decide approvals; view: read only (the page shows no "
-             "Approve/Reject).",
+        help="operate: read and decide approvals (a person's token); view: read only (the "
+             "page shows no Approve/Reject); call: call tools through dex-tasks mcp --http "
+             "and nothing else (an MCP client's token: it cannot decide approvals).",
     ),
     ttl: float = typer.Option(3600.0, "--ttl", help="Seconds until the token expires.",
                               callback=positive_seconds),
@@ -44,6 +45,7 @@ def token(
     """Print a token, signed with DEX_SECRET_KEY, for the HTTP API and the session page.
 
     Open the page at /sessions/SESSION_ID?token=TOKEN (an operator token: /sessions?token=TOKEN).
+    An MCP client gets its own token, --permission call, never a person's operate token.
     """
     from dex_tasks.errors import DexError
     from dex_tasks.tokens import issue_token

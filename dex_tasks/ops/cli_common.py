@@ -78,7 +78,8 @@ def import_tool_modules(modules: str) -> list[str]:
     """Import ``a.b,c`` the way ``celery -A`` does, with the current directory on the path.
 
     A module that cannot be found is a :class:`ConfigurationError` naming it (a typo in
-    ``--tools``, or a dependency of the tools that is not installed); any other error in a
+    ``--tools``, or a dependency of the tools that is not installed), and so is a syntax error
+    (one line: the file, the line and the error, as an editor shows it); any other error in a
     tool module propagates with its traceback, which is what its author needs.
     """
     if os.getcwd() not in sys.path:
@@ -97,6 +98,11 @@ def import_tool_modules(modules: str) -> list[str]:
             raise ConfigurationError(
                 f"tool module {name!r} imports {missing!r}, which is not installed here"
             ) from None
+        except SyntaxError as err:
+            # Python's traceback for it is 50 lines of importlib; the error is in one place.
+            raise ConfigurationError(
+                f"tool module {name!r} does not compile: {err.filename}:{err.lineno}: "
+                f"{err.msg}") from None
     return names
 
 

@@ -1,5 +1,5 @@
 """The ``dex-tasks`` commands that run a process: ``worker``, ``beat``, ``api``, ``mcp``,
-``demo``, and ``sweep`` (beat's jobs once, in this process)."""
+``demo``, ``dev``, and ``sweep`` (beat's jobs once, in this process)."""
 
 from __future__ import annotations
 
@@ -233,7 +233,8 @@ def mcp(
     port: int = typer.Option(8765, "--port", min=1, max=65535, help="TCP port (--http)."),
     session: str | None = typer.Option(
         None, "--session", envvar="DEX_MCP_SESSION",
-        help="The dex session of stdio calls (and of operator tokens' calls naming none)."),
+        help="The dex session of stdio calls, which a client's _meta cannot change (and of "
+             "operator tokens' calls naming none)."),
     approval_timeout: float = typer.Option(
         60.0, "--approval-timeout", callback=lambda v: positive_seconds(v),
         help="Seconds a call waits for a person before it answers that it awaits approval."),
@@ -243,6 +244,15 @@ def mcp(
     page_url: str | None = typer.Option(
         None, "--page-url", envvar="DEX_MCP_PAGE_URL",
         help="The API's public address, for the approval page's link in results."),
+    max_sessions: int = typer.Option(
+        10_000, "--max-sessions", min=1, help="MCP sessions open at once, all tokens (--http)."),
+    max_sessions_per_token: int = typer.Option(
+        16, "--max-sessions-per-token", min=1,
+        help="MCP sessions one token may hold open; past it, 429 (--http)."),
+    max_requests_per_token: int = typer.Option(
+        32, "--max-requests-per-token", min=1,
+        help="Requests of one token in progress at once (a tools/call waiting for approval "
+             "is one); past it, 429 (--http)."),
     loglevel: str = typer.Option("WARNING", "--loglevel", "-l"),
     log_format: str = LOG_FORMAT_OPTION,
 ) -> None:
@@ -253,7 +263,9 @@ def mcp(
     setup_process_logging(log_format, loglevel, secret_or_none(settings), celery=False)
     serve(settings, http=http, host=host, port=port, session_id=session,
           approval_timeout=approval_timeout, call_timeout=call_timeout, page_url=page_url,
-          log_level=loglevel.lower())
+          log_level=loglevel.lower(), max_sessions=max_sessions,
+          max_sessions_per_token=max_sessions_per_token,
+          max_requests_per_token=max_requests_per_token)
 
 
 SERVERS_GROUP = "dex_tasks.servers"
@@ -296,6 +308,27 @@ def demo(
     from dex_tasks.ops.demo import run
 
     raise typer.Exit(run(keep_running=keep_running, console=console))
+
+
+@commands.command()
+def dev(
+    tools: str = typer.Option(..., "--tools",
+                              help="Your tool modules, comma-separated (e.g. my_tools)."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535,
+                             help="The API's port (0, or a port in use: any free one)."),
+    concurrency: int = typer.Option(2, "-c", "--concurrency", min=1,
+                                    help="The worker's processes."),
+) -> None:
+    """Run your tools on this machine: Redis, a worker, beat and the API, in one command.
+
+    An embedded Redis (or DEX_REDIS_URL), a SQLite store in this folder (dex.db, or
+    DEX_DATABASE_URL), a worker for MODULE, beat and the API. Prints the session pages'
+    address with an operator token and the exports an agent needs; a saved change to a tool
+    module restarts the worker; Ctrl-C stops everything.
+    """
+    from dex_tasks.ops.dev import run
+
+    raise typer.Exit(run(tools, port=port, concurrency=concurrency, console=console))
 
 
 @commands.command()

@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from rich.console import Console
@@ -38,9 +37,17 @@ from rich.table import Table
 
 from dex_tasks.agent.client import DexClient
 from dex_tasks.logs import redact
-from dex_tasks.ops.embedded import EmbeddedRedis, Stack, StackError, http_get, http_post
+from dex_tasks.ops.embedded import (
+    Interrupted,
+    Stack,
+    StackError,
+    http_get,
+    http_post,
+    settings_from,
+    signals_as_interrupts,
+    signals_ignored,
+)
 from dex_tasks.ops.procutil import free_port
-from dex_tasks.settings import DexSettings
 from dex_tasks.states import OUTCOME_UNKNOWN_TOOL_RESULT, CallStatus, MessageRole
 from dex_tasks.store.records import AgentSnapshot, ToolCallRecord
 
@@ -61,14 +68,6 @@ EXPIRY_SECONDS = 3.0
 
 PATH_TIMEOUT = 40.0
 """How long one path may take before the demo calls it failed (CI machines are slow)."""
-
-
-class DemoInterrupted(BaseException):
-    """SIGTERM or SIGHUP arrived: stop like Ctrl-C.
-
-    A ``BaseException``, like ``KeyboardInterrupt``, so that no ``except Exception`` on the way
-    (a path's own error handling, a driver closing a connection) swallows it.
-    """
 
 
 # -- the scripted agent -------------------------------------------------------------------------
@@ -421,29 +420,6 @@ def build_env(workdir: Path, base: dict[str, str]) -> tuple[dict[str, str], list
     return env, own
 
 
-def settings_from(env: dict[str, str]) -> DexSettings:
-    """DexSettings as the subprocesses will read them from ``env``."""
-    values = {name: env[f"DEX_{name.upper()}"] for name in DexSettings.model_fields
-              if f"DEX_{name.upper()}" in env}
-    return DexSettings.model_validate(values)
-
-
-@contextmanager
-def _signals_as_interrupts() -> Iterator[None]:
-    """SIGTERM and SIGHUP stop the demo the way Ctrl-C does (through ``finally``)."""
-
-    def raise_interrupt(signum: int, _frame: FrameType | None) -> None:
-        raise DemoInterrupted(signal.Signals(signum).name)
-
-    previous = {sig: signal.signal(sig, raise_interrupt) for sig in (signal.SIGTERM,
-                                                                       signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def transcript_lines(snapshot: AgentSnapshot) -> list[str]:
     """The session's transcript as the model reads it, one line per message: who, the turn,
     and the text (a tool message: the tool, the call's status and its output)."""
@@ -488,6 +464,7 @@ class Demo:
         self.console = console
         self.keep_running = keep_running
         self.workdir = Path(tempfile.mkdtemp(prefix="dex-demo-"))
+        self.user_settings = {name for name in os.environ if name.startswith("DEX_")}
         env, self.own = build_env(self.workdir, dict(os.environ))
         self.stack = Stack(self.workdir, env, settings_from(env))
         self.agent: Agent | None = None
@@ -496,13 +473,13 @@ class Demo:
     def run(self) -> int:
         """Start, drive, summarise, stop; the process exit code."""
         interrupted = False
-        with _signals_as_interrupts():
+        with signals_as_interrupts():
             try:
                 self._start()
                 self._drive()
                 if self.keep_running:
                     self._hold()
-            except (KeyboardInterrupt, DemoInterrupted):
+            except (KeyboardInterrupt, Interrupted):
                 interrupted = True
             except StackError as err:
                 self.console.print(f"[red]the demo stack failed:[/] {err}", highlight=False)
@@ -528,11 +505,9 @@ class Demo:
                       highlight=False)
         if "DEX_REDIS_URL" not in self.own:
             with console.status("starting Redis..."):
-                stack.redis = EmbeddedRedis.start(self.workdir / "redis")
-            stack.env["DEX_REDIS_URL"] = stack.redis.url
-            stack.settings = settings_from(stack.env)
-            console.print(f"  Redis     {stack.redis.url}  (redis-server from "
-                          f"{stack.redis.origin}, pid {stack.redis.pid})", highlight=False)
+                server = stack.start_redis()
+            console.print(f"  Redis     {server.url}  (redis-server from "
+                          f"{server.origin}, pid {server.pid})", highlight=False)
         else:
             console.print(f"  Redis     {redact(stack.env['DEX_REDIS_URL'])}  (yours: other "
                           "workers on it may pick up the demo's calls)", highlight=False)
@@ -546,8 +521,8 @@ class Demo:
             stack.wait_ready()
         for name, proc in stack.procs.items():
             console.print(f"  {name:<9} pid {proc.pid}, log {proc.log_path}", highlight=False)
-        console.print(f"  API       {stack.api_url}/docs   metrics {stack.api_url}/metrics",
-                      highlight=False)
+        console.print(f"  API       {stack.api_url}/docs", highlight=False)
+        console.print(f"  metrics   {self.metrics_command()}", highlight=False, soft_wrap=True)
 
     def _drive(self) -> None:
         self.agent = Agent(self.stack, self.console, page_stays_up=self.keep_running)
@@ -572,7 +547,7 @@ class Demo:
         self.console.print(
             f"\nThe stack keeps running. A refund is waiting for [bold]your[/] decision "
             f"({pending.key}):\n  {agent.page_url(token)}\n"
-            f"  API docs {stack.api_url}/docs, metrics {stack.api_url}/metrics\n"
+            f"  API docs {stack.api_url}/docs\n  metrics  {self.metrics_command()}\n"
             "Press Ctrl-C to stop every process.", highlight=False, soft_wrap=True)
         while True:
             for name, proc in stack.procs.items():
@@ -580,21 +555,22 @@ class Demo:
                     raise StackError(f"dex-tasks {name} exited:\n{proc.tail()}")
             time.sleep(0.5)
 
+    def metrics_command(self) -> str:
+        """How to read /metrics: it needs the metrics token as a Bearer header (a browser's
+        link would answer 401), so the command shows the token, unless it is the user's own."""
+        url = f"{self.stack.api_url}/metrics"
+        if "DEX_METRICS_TOKEN" in self.user_settings:
+            return f'curl -H "Authorization: Bearer $DEX_METRICS_TOKEN" {url}'
+        return f'curl -H "Authorization: Bearer {self.stack.env["DEX_METRICS_TOKEN"]}" {url}'
+
     def _stop(self) -> None:
-        # A second Ctrl-C (or a SIGTERM) must not cut the clean-up short and leave processes
-        # behind.
-        stoppers = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stoppers}
-        try:
+        with signals_ignored():
             if self.agent is not None:
                 self.agent.close()
             started = time.monotonic()
             self.console.print("stopping the demo's processes...")
             self.stack.stop()
             self.console.print(f"stopped in {time.monotonic() - started:.1f}s.")
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
 
 def run(*, keep_running: bool = False, console: Console | None = None) -> int:

@@ -5,7 +5,9 @@ ships: the same server production uses, started as a child process on a free loo
 no persistence (the demo's data lives in a temporary folder and is thrown away).
 
 :class:`Stack` starts ``dex-tasks worker``, ``beat`` and ``api`` as subprocesses, each the leader
-of its own process group, so that stopping a group also stops a worker's pool children.
+of its own process group, so that stopping a group also stops a worker's pool children; it
+serves both ``dex-tasks demo`` and ``dex-tasks dev``, as does the way they stop on a signal
+(:func:`signals_as_interrupts`, :func:`signals_ignored`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import redis
@@ -168,6 +172,50 @@ class StackError(DexError):
     """A process of the embedded stack did not start, or stopped."""
 
 
+class Interrupted(BaseException):
+    """SIGTERM or SIGHUP arrived: stop like Ctrl-C.
+
+    A ``BaseException``, like ``KeyboardInterrupt``, so that no ``except Exception`` on the way
+    (a path's own error handling, a driver closing a connection) swallows it.
+    """
+
+
+@contextmanager
+def signals_as_interrupts() -> Iterator[None]:
+    """SIGTERM and SIGHUP stop a local stack the way Ctrl-C does (through ``finally``)."""
+
+    def raise_interrupt(signum: int, _frame: FrameType | None) -> None:
+        raise Interrupted(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, raise_interrupt) for sig in (signal.SIGTERM,
+                                                                       signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
+def signals_ignored() -> Iterator[None]:
+    """While a stack stops: a second Ctrl-C (or a SIGTERM) must not cut the clean-up short
+    and leave processes behind."""
+    stoppers = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stoppers}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def settings_from(env: dict[str, str]) -> DexSettings:
+    """DexSettings as the subprocesses will read them from ``env``."""
+    values = {name: env[f"DEX_{name.upper()}"] for name in DexSettings.model_fields
+              if f"DEX_{name.upper()}" in env}
+    return DexSettings.model_validate(values)
+
+
 @dataclass
 class Proc:
     """A ``dex-tasks`` subprocess, leader of its own process group, its output in a log file."""
@@ -175,14 +223,20 @@ class Proc:
     name: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    args: list[str] = field(default_factory=list)
+    log_from: int = 0
+    """Where this run's output starts in the log (a restarted process appends to it)."""
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     def log(self) -> str:
+        """This run's output."""
         try:
-            return self.log_path.read_text(errors="replace")
+            with open(self.log_path, "rb") as log:
+                log.seek(self.log_from)
+                return log.read().decode(errors="replace")
         except OSError:
             return ""
 
@@ -230,19 +284,36 @@ class Stack:
     redis: EmbeddedRedis | None = None
     procs: dict[str, Proc] = field(default_factory=dict)
     api_url: str = ""
+    cwd: Path | None = None
+    """The processes' folder (``dex-tasks dev``: the user's, where the tool modules are);
+    ``workdir`` when None. Logs always go to ``workdir``."""
+
+    def start_redis(self) -> EmbeddedRedis:
+        """Start an embedded Redis in ``workdir`` and point the stack's processes at it."""
+        self.redis = EmbeddedRedis.start(self.workdir / "redis")
+        self.env["DEX_REDIS_URL"] = self.redis.url
+        self.settings = settings_from(self.env)
+        return self.redis
 
     def start(self, name: str, args: list[str]) -> Proc:
         log_path = self.workdir / f"{name}.log"
         with open(log_path, "ab") as log:
+            log_from = log.tell()
             proc = subprocess.Popen(
-                [*dex_command(), *args], cwd=self.workdir, env=self.env, stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                [*dex_command(), *args], cwd=self.cwd or self.workdir, env=self.env,
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 # Its own group: Ctrl-C reaches only the demo, which then stops each group
                 # in order, pool children included.
                 start_new_session=True,
             )
-        self.procs[name] = Proc(name, proc, log_path)
+        self.procs[name] = Proc(name, proc, log_path, args, log_from)
         return self.procs[name]
+
+    def restart(self, name: str) -> Proc:
+        """Stop one process (its whole group) and start it again with the same arguments."""
+        old = self.procs[name]
+        old.stop()
+        return self.start(name, old.args)
 
     def stop(self) -> None:
         """Stop every process, newest first, then Redis."""
@@ -251,15 +322,17 @@ class Stack:
         if self.redis is not None:
             self.redis.stop()
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        """Until the worker says ready, beat started and the API answers /healthz."""
+    def wait_ready(self, timeout: float = 60.0, names: tuple[str, ...] = ("worker", "beat",
+                                                                           "api")) -> None:
+        """Until the worker says ready, beat started and the API answers /healthz (or only
+        those of ``names``)."""
         checks: dict[str, Callable[[], bool]] = {
             "worker": lambda: " ready." in self.procs["worker"].log(),
             "beat": lambda: "beat: Starting" in self.procs["beat"].log(),
             "api": lambda: http_get(f"{self.api_url}/healthz")[0] == 200,
         }
         deadline = time.monotonic() + timeout
-        pending = dict(checks)
+        pending = {name: checks[name] for name in names}
         while pending:
             for name in list(pending):
                 proc = self.procs[name]

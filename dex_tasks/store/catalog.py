@@ -23,6 +23,7 @@ from dex_tasks.registry import (
     schema_validator,
     validate_against_schema,
 )
+from dex_tasks.settings import sqlite_file
 from dex_tasks.store import Store
 
 
@@ -92,6 +93,18 @@ def publish(store: Store, tools: Iterable[Tool[Any]]) -> int:
         return store.publish_catalog(entries)
 
 
+def store_location(store: Store) -> str:
+    """The store's URL (no password) and, for SQLite, the file it resolves to: a relative
+    path is relative to each process's own folder, the usual reason an agent finds no tools."""
+    where = store.safe_url
+    file = sqlite_file(store.url)
+    if file is not None:
+        relative = "" if store.url.partition(":///")[2].startswith("/") else \
+            ", relative to this process's folder"
+        where += f" (the file {file}{relative})"
+    return where
+
+
 def lookup(store: Store, name: str) -> ToolInfo:
     """Find a tool in this process's registry, else in the published catalog."""
     local = get_local_tool(name)
@@ -101,7 +114,7 @@ def lookup(store: Store, name: str) -> ToolInfo:
     if row is None:
         published = [r.name for r in store.list_catalog()]  # read only on this error path
         close = difflib.get_close_matches(name, sorted({*published, *local_tools()}), n=3)
-        raise UnknownToolError(name, empty_catalog_at=None if published else store.safe_url,
+        raise UnknownToolError(name, empty_catalog_at=None if published else store_location(store),
                                suggestions=close)
     raw_policy = json.loads(row.policy)
     return ToolInfo(

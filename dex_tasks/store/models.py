@@ -145,6 +145,10 @@ class InterruptRow(SQLModel, table=True):
     webhook_urls: str | None = Field(default=None, sa_column=Column(JsonText, nullable=True))
     # When approval_deadline_near was announced (the warning sweep sets it once).
     deadline_warned_at: float | None = None
+    # Who made the call (the MCP client's token identity, tokens.token_identity), and whether
+    # the policy lets that identity decide it too (policy snapshot; None: it does not).
+    requested_by: str | None = Field(default=None, max_length=APPROVER_MAX)
+    self_approval: bool | None = None
 
 
 class ApprovalVoteRow(SQLModel, table=True):

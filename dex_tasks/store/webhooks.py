@@ -12,7 +12,8 @@ leaves the row ``pending``, and the republish sweep sends it later. An event tha
 committed is never sent; one that was is never lost.
 
 The call never waits for a receiver: the row is one insert in a transaction that was being
-written anyway, and delivery happens on the workers (``worker/webhooks.py``).
+written anyway, and delivery happens in the workers' main processes, outside the pool that
+runs calls (``worker/webhooks.py``).
 """
 
 from __future__ import annotations

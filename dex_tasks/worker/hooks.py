@@ -5,8 +5,9 @@
   Renewing from the main process, not the child, keeps leases alive while a tool holds the GIL
   or the machine is loaded; a child that dies stops being in ``active_requests`` and its lease
   runs out. It also starts announcing the worker in Redis (``routing.Presence``): the tools it
-  serves and the messages it holds.
-* ``worker_shutdown``: stop renewing and announcing.
+  serves and the messages it holds, and the webhook sender (``webhooks.Sender``), which
+  delivers from the main process so that no delivery takes a pool slot.
+* ``worker_shutdown``: stop renewing, announcing and sending.
 * ``task_revoked``: a message that expired in the queue ends its call "did not run".
 * ``task_prerun`` / ``task_postrun``, on the threads pool only: the clock of each call's hard
   time limit (``threadpool.Watchdog``), which Celery does not keep there.
@@ -27,6 +28,7 @@ from dex_tasks.broker.redis_clients import redis_client
 from dex_tasks.broker.routing import Presence
 from dex_tasks.states import CallStatus
 from dex_tasks.store import bounded_statements
+from dex_tasks.worker import webhooks
 from dex_tasks.worker.endings import did_not_run, handle_lost_attempt
 from dex_tasks.worker.runtime import current_owner, reset_runtime, runtime
 from dex_tasks.worker.threadpool import Watchdog, Watched
@@ -114,6 +116,10 @@ def install(app: Celery, tools: Iterable[str] = (), *, pool: str = "prefork",
             log.warning("first worker heartbeat failed: %s", err,
                         extra={"action": "heartbeat_error"})
         _presence.start()
+        try:
+            webhooks.start(app)
+        except Exception:  # calls still run; deliveries wait for the republish sweep
+            log.exception("webhook sender not started", extra={"action": "webhook_error"})
         log.info("worker ready", extra={"action": "worker_ready", "pool": pool,
                                         "tools": len(served)})
 
@@ -123,6 +129,7 @@ def install(app: Celery, tools: Iterable[str] = (), *, pool: str = "prefork",
             _renewer.stopped.set()
         if _presence is not None:
             _presence.stopped.set()
+        webhooks.stop()
 
     if pool == "threads":
         _watch_time_limits(app)

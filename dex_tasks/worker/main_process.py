@@ -32,7 +32,7 @@ from dex_tasks.broker.celery_app import (
 from dex_tasks.errors import CallFailure
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import CallStatus
-from dex_tasks.worker import hooks, webhooks
+from dex_tasks.worker import hooks
 from dex_tasks.worker.endings import handle_lost_attempt
 from dex_tasks.worker.execution import run_retrying, run_single_attempt
 from dex_tasks.worker.retry import celery_retry_options
@@ -251,8 +251,6 @@ def register_tasks(app: Celery) -> None:
               send_events=False)
     def sweep(self: Task, job: str) -> Any:
         return run_job(runtime(self.app), job)
-
-    webhooks.register(app)
 
 
 def worker_app(settings: DexSettings, tools: Iterable[str] = (), *, pool: str = "prefork",
