@@ -441,6 +441,17 @@ def all_(
                   title="All targets (reported, not asserted)")
 
 
+@app.command()
+def tracing(
+    calls: int = typer.Option(2000, "--calls", min=1, help="Timed calls per variant per round."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds (variants interleaved)."),
+) -> None:
+    """call_tool with OpenTelemetry not installed, not configured, configured (issue 31)."""
+    from bench.tracing_cost import run as run_tracing
+
+    run_tracing(calls=calls, rounds=rounds, console=console)
+
+
 def main() -> None:
     app()
 

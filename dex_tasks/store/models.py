@@ -107,6 +107,9 @@ class ToolCallRow(SQLModel, table=True):
                                            sa_column=Column(JsonText, nullable=True))
     # Policy snapshot of a rule on the arguments: the rule, its decision and why.
     approval_rule: str | None = Field(default=None, sa_column=Column(JsonText, nullable=True))
+    # The W3C traceparent of the agent's span that requested it (OpenTelemetry, migration
+    # 0011): the worker's and the approval's spans join that trace. None when not traced.
+    trace_context: str | None = Field(default=None, max_length=64)
 
 
 class CallEventRow(SQLModel, table=True):

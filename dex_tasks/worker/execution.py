@@ -30,6 +30,7 @@ import logging
 import redis
 from celery import Task
 
+from dex_tasks.observe import worker_spans
 from dex_tasks.worker import claims
 from dex_tasks.worker.attempts import run_attempt
 from dex_tasks.worker.claiming import claim
@@ -62,6 +63,7 @@ def run_retrying(task: Task, key: str) -> None:
 def _claim_and_run(task: Task, rt: Runtime, key: str, owner: str, *, retrying: bool) -> None:
     """Claim the call in the store, run its attempt, and tell Celery how it ended."""
     claimed = claim(rt, key, owner)
+    worker_spans.claimed(claimed)
     if not isinstance(claimed, tuple):
         if claimed is None and not retrying:
             # A late duplicate of an ended call took a fresh Redis claim (the ended call's
@@ -70,8 +72,9 @@ def _claim_and_run(task: Task, rt: Runtime, key: str, owner: str, *, retrying: b
         _report_unclaimed(task, key, claimed)
         return
     call, tool, arguments = claimed
-    report(task, call, run_attempt(rt, call, tool, arguments, owner, call.attempts,
-                                retrying=retrying))
+    outcome = run_attempt(rt, call, tool, arguments, owner, call.attempts, retrying=retrying)
+    worker_spans.ended(outcome)
+    report(task, call, outcome)
 
 
 def _report_unclaimed(task: Task, key: str, outcome: Outcome | None) -> None:
