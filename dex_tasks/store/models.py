@@ -52,7 +52,7 @@ class ToolCallRow(SQLModel, table=True):
     __table_args__ = (
         # The lease reaper and the republisher look only at these, so both sweeps are
         # O(calls in that status), not O(all calls).
-        # Partial (migration 0011): only a call holding a lease is in it, so a call's insert
+        # Partial (migration 0012): only a call holding a lease is in it, so a call's insert
         # and its end (which clears the lease) write no entry; the reaper's
         # ``lease_expires_at < ?`` implies the predicate, in generic plans too.
         Index("ix_dex_calls_status_lease", "status", "lease_expires_at",
@@ -62,7 +62,7 @@ class ToolCallRow(SQLModel, table=True):
         # Prune reads terminal calls by finish time, and the reconcilers page through
         # outcome_unknown calls in finish order. (It replaces an index on status alone, which
         # these three made redundant.)
-        # Partial (migration 0011): only ended calls, so the insert and the claim write no
+        # Partial (migration 0012): only ended calls, so the insert and the claim write no
         # entry; prune's ``finished_at < ?`` and the reconcilers' keyset (after their first
         # page, which reads the few outcome_unknown calls by status) imply the predicate.
         Index("ix_dex_calls_status_finished", "status", "finished_at",
@@ -216,7 +216,7 @@ class MessageRow(SQLModel, table=True):
     __table_args__ = (
         # Delivery looks only at queued messages (of one session, or all for the sweep); only
         # user messages have a status, so tool and assistant messages are never in its range.
-        # Partial (migration 0011): tool and assistant messages (status NULL, one per call)
+        # Partial (migration 0012): tool and assistant messages (status NULL, one per call)
         # write no entry; delivery's ``status = 'queued'`` implies the predicate.
         Index("ix_dex_messages_status_session", "status", "session_id",
               postgresql_where=text("status IS NOT NULL"),
@@ -226,7 +226,7 @@ class MessageRow(SQLModel, table=True):
         Index("ux_dex_messages_key", "key", unique=True),
         # One journaled model response per step of a turn (durable turns): two processes that
         # record the same step race on this index, and the loser reads the winner's.
-        # Partial (migration 0011): rows without a step never collided (NULLs are distinct),
+        # Partial (migration 0012): rows without a step never collided (NULLs are distinct),
         # so only journaled steps need an entry; a call's tool message writes none.
         Index("ux_dex_messages_step", "session_id", "turn_id", "step", unique=True,
               postgresql_where=text("step IS NOT NULL"), sqlite_where=text("step IS NOT NULL")),

@@ -20,8 +20,8 @@ on it and the path skips them:
 Each read's condition implies its index's predicate (a strict comparison on the column), so
 the planners of both engines still use the index, in PostgreSQL's generic plans too.
 
-Revision ID: 0011_partial_indexes
-Revises: 0010_self_approval
+Revision ID: 0012_partial_indexes
+Revises: 0011_trace_context
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0011_partial_indexes"
-down_revision = "0010_self_approval"
+revision = "0012_partial_indexes"
+down_revision = "0011_trace_context"
 branch_labels = None
 depends_on = None
 
