@@ -12,7 +12,7 @@ COPY pyproject.toml README.md LICENSE ./
 COPY dex_tasks ./dex_tasks
 COPY workers ./workers
 COPY beat_schedule.py ./
-RUN pip install ".[postgres,flower]"
+RUN pip install ".[postgres,flower,otel]"
 
 # Your tools, installed into the image: pip requirement(s) separated by spaces (your package
 # from an index or a git URL, and whatever the tools import), e.g.

@@ -8,7 +8,7 @@ export DEX_TEST_POSTGRES_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/tes
 install:
 	python3 -m venv .venv
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e ".[dev,postgres,pydantic-ai,openai-agents,langchain,mcp,google-adk,crewai]"
+	$(PY) -m pip install -e ".[dev,postgres,otel,pydantic-ai,openai-agents,langchain,mcp,google-adk,crewai]"
 
 ## make test: lint, then every test but the long scenarios (real Redis, real workers, SQLite and
 ## PostgreSQL); `make chaos` runs the long ones (pytest -m long), each with a short

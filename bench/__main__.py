@@ -293,6 +293,99 @@ def webhooks(
          postgres_url=postgres_admin_url(postgres_url), out_dir=_out(out), console=console)
 
 
+def _command(name: str, options: dict[str, object]) -> str:
+    """The command line that makes these figures (the options given, defaults left out)."""
+    parts = [f"python -m bench {name}"]
+    for flag, value in options.items():
+        if value is True:
+            parts.append(flag)
+        elif value not in (None, False):
+            parts.append(f"{flag} {value}")
+    return " ".join(parts)
+
+
+WORKLOAD_PG_HELP = ("PostgreSQL admin URL to create the store in (default: a private server "
+                    "started for the run with pg_stat_statements, whose CPU is counted).")
+
+
+@app.command()
+def workload(
+    calls: int | None = typer.Option(None, "--calls", min=1,
+                                     help="Calls per throughput round (default DESIGN's 2,000; "
+                                          "the old shape gets a quarter)."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Throughput rounds per shape."),
+    store: str = typer.Option("sqlite,postgres", "--store", help="sqlite, postgres or both."),
+    postgres_url: str | None = typer.Option(None, "--postgres-url", help=WORKLOAD_PG_HELP),
+    warmup: int = typer.Option(50, "--warmup", min=1, help="Calls of each before the rounds."),
+    latency_calls: int = typer.Option(200, "--latency-calls", min=0,
+                                      help="One-at-a-time calls of each (0: skip)."),
+    io_calls: int | None = typer.Option(None, "--io-calls", min=1,
+                                        help="I/O burst calls (default DESIGN's 1,000)."),
+    io_seconds: float = typer.Option(1.0, "--io-seconds", min=0, help="Each I/O call's sleep."),
+    io_concurrency: int = typer.Option(200, "--io-concurrency", min=1,
+                                       help="Threads of each I/O worker."),
+    io_rounds: int = typer.Option(2, "--io-rounds", min=1, help="I/O burst rounds."),
+    old: bool = typer.Option(True, "--old/--no-old",
+                             help="Also run the old benchmark's shape beside DESIGN's."),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """DESIGN's workload (version 4) vs plain Celery, beside the old shape; CPU per process."""
+    from bench.infra import parse_stores
+    from bench.workload_report import run_workload
+
+    command = _command("workload", {"--calls": calls, "--rounds": rounds, "--store": store,
+                                    "--latency-calls": latency_calls, "--io-calls": io_calls,
+                                    "--io-seconds": io_seconds, "--io-rounds": io_rounds,
+                                    "--no-old": not old,
+                                    "--postgres-url": postgres_url and "URL"})
+    _run(run_workload, calls=calls, rounds=rounds, stores=parse_stores(store),
+         postgres_url=postgres_url, warmup=warmup, latency_calls=latency_calls,
+         io_calls=io_calls, io_seconds=io_seconds, io_concurrency=io_concurrency,
+         io_rounds=io_rounds, with_old=old, command=command, out_dir=_out(out), console=console)
+
+
+@app.command()
+def gap(
+    calls: int | None = typer.Option(None, "--calls", min=1,
+                                     help="DESIGN's calls (default 2,000); every shape scaled "
+                                          "alike."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds per shape."),
+    store: str = typer.Option("sqlite,postgres", "--store", help="sqlite, postgres or both."),
+    postgres_url: str | None = typer.Option(None, "--postgres-url", help=WORKLOAD_PG_HELP),
+    warmup: int = typer.Option(50, "--warmup", min=1, help="Calls of each before a shape."),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """Old shape -> DESIGN's, one factor at a time (AOF, calls, sessions, turns): the ratios."""
+    from bench.infra import parse_stores
+    from bench.workload_report import run_gap
+
+    command = _command("gap", {"--calls": calls, "--rounds": rounds, "--store": store,
+                               "--postgres-url": postgres_url and "URL"})
+    _run(run_gap, calls=calls, rounds=rounds, stores=parse_stores(store),
+         postgres_url=postgres_url, warmup=warmup, command=command, out_dir=_out(out),
+         console=console)
+
+
+@app.command()
+def pgindex(
+    calls: int = typer.Option(300, "--calls", min=1, help="Calls per variant per round."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds (variants alternate)."),
+    postgres_url: str | None = typer.Option(
+        None, "--postgres-url", help="Admin URL of a server that preloads pg_stat_statements "
+                                     "and auto_explain (default: a private server)."),
+    ended: int = typer.Option(50_000, "--ended", min=0,
+                              help="Ended calls in the store when the reads are explained."),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """PostgreSQL per call: each hot statement's and each index's cost; the reads' plans."""
+    from bench.pgindex import run_pgindex
+
+    command = _command("pgindex", {"--calls": calls, "--rounds": rounds, "--ended": ended,
+                                   "--postgres-url": postgres_url and "URL"})
+    _run(run_pgindex, calls=calls, rounds=rounds, postgres_url=postgres_url,
+         populate_ended=ended, command=command, out_dir=_out(out), console=console)
+
+
 @app.command(name="all")
 def all_(
     quick: bool = typer.Option(False, "--quick",
@@ -346,6 +439,17 @@ def all_(
         raise typer.Exit(1) from err
     print_targets(console, [t for r in results for t in r["targets"]],
                   title="All targets (reported, not asserted)")
+
+
+@app.command()
+def tracing(
+    calls: int = typer.Option(2000, "--calls", min=1, help="Timed calls per variant per round."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds (variants interleaved)."),
+) -> None:
+    """call_tool with OpenTelemetry not installed, not configured, configured (issue 31)."""
+    from bench.tracing_cost import run as run_tracing
+
+    run_tracing(calls=calls, rounds=rounds, console=console)
 
 
 def main() -> None:

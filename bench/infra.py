@@ -65,9 +65,11 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str,
 
 @dataclass
 class RedisServer:
-    """A private ``redis-server`` on a free port (no persistence), stopped by its PID."""
+    """A private ``redis-server`` on a free port, stopped by its PID; no persistence unless
+    ``aof`` (``--appendonly yes``, fsync every second: what DESIGN's workload runs on)."""
 
     port: int = field(default_factory=free_port)
+    aof: bool = False
     proc: subprocess.Popen[bytes] | None = None
     dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="dex-bench-redis-"))
 
@@ -80,7 +82,7 @@ class RedisServer:
             raise BenchError("redis-server is not on PATH")
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir, "--databases", "16"],
+             "--appendonly", "yes" if self.aof else "no", "--dir", self.dir, "--databases", "16"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         client = self.client()
@@ -106,6 +108,23 @@ class RedisServer:
         finally:
             client.close()
         return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
+
+    def set_aof(self, on: bool, timeout: float = 60.0) -> None:
+        """Turn the append-only file on or off at run time; on, wait for its first rewrite."""
+        client = self.client()
+        try:
+            client.config_set("appendonly", "yes" if on else "no")
+
+            def settled() -> bool:
+                info = client.info("persistence")
+                return (int(info["aof_enabled"]) == int(on)
+                        and not int(info["aof_rewrite_in_progress"])
+                        and not int(info.get("aof_rewrite_scheduled", 0)))
+
+            wait_for(settled, timeout, f"redis appendonly {'on' if on else 'off'}")
+        finally:
+            client.close()
+        self.aof = on
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -112,12 +112,16 @@ class Tool(Generic[R]):
         """
         if self._validator is not None:
             return validate_against_schema(self.name, self._validator, arguments)
+        model = self._model(arguments)
+        return {name: getattr(model, name) for name in type(model).model_fields}
+
+    def _model(self, arguments: Mapping[str, Any]) -> BaseModel:
+        """A signature-made tool's validated arguments; :class:`InvalidArguments` if wrong."""
         assert self.arguments_model is not None
         try:
-            model = self.arguments_model.model_validate(dict(arguments))
+            return self.arguments_model.model_validate(dict(arguments))
         except ValidationError as err:
             raise InvalidArguments(_format_validation_error(self.name, err)) from None
-        return {name: getattr(model, name) for name in type(model).model_fields}
 
     def normalize(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
         """The arguments as the tool will run with them, in their JSON form: validated,
@@ -128,11 +132,7 @@ class Tool(Generic[R]):
         if self._validator is not None:
             normalized = normalize(self.name, self._schema, arguments)
             return validate_against_schema(self.name, self._validator, normalized)
-        assert self.arguments_model is not None
-        try:
-            model = self.arguments_model.model_validate(dict(arguments))
-        except ValidationError as err:
-            raise InvalidArguments(_format_validation_error(self.name, err)) from None
+        model = self._model(arguments)
         return json_form(self.name, model.model_dump(mode="json"))
 
     def recorded_arguments(self, arguments: Mapping[str, Any]) -> dict[str, Any]:

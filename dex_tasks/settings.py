@@ -103,6 +103,11 @@ class DexSettings(BaseSettings):
         default=10.0, gt=0,
         description="How often beat runs the sweeps.",
     )
+    trace_tool_content: bool = Field(
+        default=False,
+        description="With OpenTelemetry tracing on: record each call's arguments and result on "
+        "its execute_tool span (gen_ai.tool.call.arguments / .result). Off: never.",
+    )
     catalog_cache_seconds: float = Field(
         default=5.0, ge=0,
         description="How long call_tool caches a tool's catalog entry (0: never).",

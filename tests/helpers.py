@@ -393,3 +393,25 @@ def load_module(path: Path, name: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+AGENT_SCRIPT = """
+import json, sys
+from dex_tasks import DexClient
+with DexClient.from_env() as client:
+    records = [client.call_tool(session_id=sys.argv[1], turn_id="t1", tool_call_id=f"c{i}",
+                                tool=tool, arguments=args)
+               for i, (tool, args) in enumerate(json.loads(sys.argv[2]))]
+    assert not any(m.startswith(("workers", "tests")) for m in sys.modules), "tool code imported"
+    print(json.dumps([r.model_dump(mode="json") for r in records]))
+"""
+
+
+def agent_calls(env: dict[str, str], session: str, calls: list[tuple[str, dict[str, Any]]],
+                timeout: float = 120) -> list[dict[str, Any]]:
+    """Make ``calls`` (tool, arguments) from an agent process that imports no tool code (it
+    asserts so): the records, as JSON."""
+    out = subprocess.run([sys.executable, "-c", AGENT_SCRIPT, session, json.dumps(calls)],
+                         env=env, capture_output=True, text=True, timeout=timeout, check=True)
+    result: list[dict[str, Any]] = json.loads(out.stdout)
+    return result

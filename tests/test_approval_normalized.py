@@ -24,30 +24,10 @@ from dex_tasks.store import catalog
 from dex_tasks.store.catalog import ToolInfo
 from tests import approval_tools
 from tests.conftest import StartWorker
-from tests.helpers import wait_until
+from tests.helpers import agent_calls, wait_until
 from workers import ledger
 
 TOOLS = "workers.example_tools,tests.approval_tools"
-
-AGENT = """
-import json, sys
-from dex_tasks import DexClient
-with DexClient.from_env() as client:
-    records = [client.call_tool(session_id=sys.argv[1], turn_id="t1", tool_call_id=f"c{i}",
-                                tool=tool, arguments=args)
-               for i, (tool, args) in enumerate(json.loads(sys.argv[2]))]
-    assert not any(m.startswith(("workers", "tests")) for m in sys.modules), "tool code imported"
-    print(json.dumps([r.model_dump(mode="json") for r in records]))
-"""
-
-
-def _agent(env: dict[str, str], session: str, calls: list[tuple[str, dict[str, Any]]]
-           ) -> list[dict[str, Any]]:
-    out = subprocess.run([sys.executable, "-c", AGENT, session, json.dumps(calls)], env=env,
-                         capture_output=True, text=True, timeout=120, check=True)
-    result: list[dict[str, Any]] = json.loads(out.stdout)
-    return result
-
 
 def _ran(ledger_path: Any, tool: str) -> list[str]:
     return [e["key"] for e in ledger.read(ledger_path) if e["tool"] == tool]
@@ -61,7 +41,7 @@ def test_a_string_true_and_a_left_out_default_wait_for_the_rule(
     start_worker(tools=TOOLS)
     # When an agent process that imports no tool code sends "true" for force, leaves the
     # amount out, and sends two calls the rules let through
-    forced, defaulted, plain, small = _agent(env, "s-norm", [
+    forced, defaulted, plain, small = agent_calls(env, "s-norm", [
         ("deploy", {"service": "api", "force": "true"}),
         ("default_refund", {"charge_id": "ch_1"}),
         ("deploy", {"service": "web", "force": "off"}),
@@ -100,7 +80,7 @@ def test_wrong_typed_arguments_are_refused_at_call_tool_for_every_effect(
     # Issue 31 item 4: a read's wrong-typed argument was queued and failed by the worker,
     # a write's refused at once.
     start_worker(tools=TOOLS)
-    read, write = _agent(env, "s-typed", [
+    read, write = agent_calls(env, "s-typed", [
         ("lookup_order", {"order_id": 1001}),
         ("default_refund", {"charge_id": "ch_1", "amount_cents": "lots"}),
     ])
@@ -123,7 +103,7 @@ def test_the_worker_refuses_arguments_its_validation_would_change(
     client.store.publish_catalog([{**entry, "arguments_schema": json.dumps(schema),
                                    "updated_at": 1e12}])
     # When the agent records "true" (the rule force == true does not hold on a string)
-    (record,) = _agent(env, "s-diverge", [("deploy", {"service": "api", "force": "true"})])
+    (record,) = agent_calls(env, "s-diverge", [("deploy", {"service": "api", "force": "true"})])
     assert record["status"] == "queued" and record["arguments"]["force"] == "true"
     # Then the worker, whose validation would run it with force=True, refuses it unrun
     ended = client.wait(record["key"], 30)
@@ -199,7 +179,7 @@ def test_every_call_whose_executed_arguments_satisfy_the_rule_waited(
     # Given workers and an agent process with no tool code, making generated probe calls
     start_worker(tools=TOOLS, concurrency=4)
     generated = _generated(seed=31, n=40)
-    records = _agent(env, "s-prop", [("probe", a) for a in generated])
+    records = agent_calls(env, "s-prop", [("probe", a) for a in generated])
     # When every call that waits is approved as it stands
     for record in records:
         if record["status"] == "awaiting_approval":
@@ -264,3 +244,25 @@ def test_an_unknown_tool_says_did_you_mean_in_a_short_traceback(
     assert lines[-1].startswith("dex_tasks.errors.UnknownToolError: unknown tool 'lookup_ordr'")
     frames = [line for line in lines if line.lstrip().startswith("File ")]
     assert len(frames) <= 2, out.stderr  # the caller's line and call_tool's, nothing inside
+
+
+def test_the_openai_agents_needs_approval_asks_the_rule_on_normalized_arguments(
+    client: DexClient,
+) -> None:
+    # The SDK's needs_approval callable judged the model's raw JSON: "true" for force did not
+    # pause the run (call_tool then held the call, but the run never surfaced it).
+    pytest.importorskip("agents")
+    import asyncio
+
+    from dex_tasks.integrations.openai_agents import dex_function_tools
+    catalog.publish(client.store, [approval_tools.deploy, approval_tools.default_refund])
+    tools = {t.name: t for t in dex_function_tools(client, ["deploy", "default_refund"])}
+
+    def asks(name: str, arguments: dict[str, Any]) -> bool:
+        needs = tools[name].needs_approval  # type: ignore[attr-defined]
+        return bool(asyncio.run(needs(None, arguments, "c1")))
+
+    assert asks("deploy", {"service": "api", "force": "true"}) is True
+    assert asks("deploy", {"service": "api", "force": "off"}) is False
+    assert asks("default_refund", {"charge_id": "ch_1"}) is True
+    assert asks("default_refund", {"charge_id": "ch_1", "amount_cents": "500"}) is False

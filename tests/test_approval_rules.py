@@ -6,8 +6,6 @@ PostgreSQL; the agent that decides a rule is a separate process that imports no 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -34,7 +32,7 @@ from dex_tasks.rules import ApprovalRule, all_of, any_of, not_
 from dex_tasks.store import APPROVALS, INTERRUPTS
 from dex_tasks.tokens import issue_token
 from tests.conftest import StartWorker, fast_settings, settings_env
-from tests.helpers import wait_until
+from tests.helpers import agent_calls, wait_until
 from workers import ledger
 
 TOOLS = "workers.example_tools,tests.approval_tools"
@@ -89,18 +87,6 @@ def test_a_rule_that_cannot_be_evaluated_fails_closed() -> None:
 
 # -- on real workers -------------------------------------------------------------------------------
 
-AGENT = """
-import json, sys
-from dex_tasks import DexClient
-with DexClient.from_env() as client:
-    records = [client.call_tool(session_id=sys.argv[1], turn_id="t1", tool_call_id=f"c{i}",
-                                tool=tool, arguments=args)
-               for i, (tool, args) in enumerate(json.loads(sys.argv[2]))]
-    assert not any(m.startswith(("workers", "tests")) for m in sys.modules), "tool code imported"
-    print(json.dumps([r.model_dump(mode="json") for r in records]))
-"""
-
-
 @pytest.fixture
 def db_env(redis_url: str, database_url: str, ledger_path: Any) -> dict[str, str]:
     return settings_env(fast_settings(redis_url, database_url), ledger_path)
@@ -110,14 +96,6 @@ def db_env(redis_url: str, database_url: str, ledger_path: Any) -> dict[str, str
 def db_client(redis_url: str, database_url: str) -> Iterator[DexClient]:
     with DexClient(fast_settings(redis_url, database_url)) as c:
         yield c
-
-
-def _agent(env: dict[str, str], session: str, calls: list[tuple[str, dict[str, Any]]]
-           ) -> list[dict[str, Any]]:
-    out = subprocess.run([sys.executable, "-c", AGENT, session, json.dumps(calls)], env=env,
-                         capture_output=True, text=True, timeout=60, check=True)
-    result: list[dict[str, Any]] = json.loads(out.stdout)
-    return result
 
 
 def _workers(start_worker: StartWorker, env: dict[str, str]) -> None:
@@ -131,7 +109,7 @@ def test_rules_hold_only_matching_calls_and_edits_run_the_edited_arguments(
     # Given workers that published issue_refund (rule: amount_cents > 10000) and annotate
     _workers(start_worker, db_env)
     # When an agent process that imports no tool code makes these calls
-    small, large, odd, by_http, by_cli = _agent(db_env, "s-rule", [
+    small, large, odd, by_http, by_cli = agent_calls(db_env, "s-rule", [
         ("issue_refund", {"charge_id": "ch_1", "amount_cents": 500}),
         ("issue_refund", {"charge_id": "ch_9", "amount_cents": 50_000}),
         ("annotate", {"note": "abc"}),

@@ -209,3 +209,73 @@ def test_pooler_times_a_calls_writes_direct_and_through_pgbouncer(tmp_path: Path
     assert [row["variant"] for row in data["rows"]] == list(VARIANTS)
     assert all(row["ms_per_call"] > 0 and len(row["rounds_ms"]) == 1 for row in data["rows"])
     assert data["command"] == "python -m bench pooler --calls 3 --rounds 1"
+
+
+def test_workload_runs_designs_shape_beside_the_old_one_with_cpu_per_process(
+    tmp_path: Path,
+) -> None:
+    from bench.workload_report import run_workload
+
+    data = _written(run_workload(
+        calls=12, rounds=1, stores=["sqlite"], postgres_url=None, warmup=2, latency_calls=2,
+        io_calls=6, io_seconds=0.05, io_concurrency=4, io_rounds=1, with_old=True,
+        command="python -m bench workload --calls 12", out_dir=tmp_path, console=_quiet()),
+        tmp_path)
+
+    assert data["command"] == "python -m bench workload --calls 12"
+    assert [(r["store"], r["shape"], r["calls"]) for r in data["throughput"]] == [
+        ("sqlite", "design", 12), ("sqlite", "old", 3)]
+    for row in data["throughput"]:
+        assert row["failures"] == 0 and row["vs_raw"] > 0, row
+        assert set(row["dex_cpu_us_per_call"]) == {
+            "producer", "worker main", "children", "redis", "total"}, row
+    [one] = data["one_at_a_time"]
+    assert one["calls"] == 2 and one["dex_p50_ms"] > 0 and one["raw_p50_ms"] > 0
+    [io] = data["io"]
+    assert set(io["vs_raw"]) == {"dex polled", "dex wait"} and io["wall_s"]["raw"] > 0
+
+
+def test_gap_walks_from_the_old_shape_to_designs_one_factor_at_a_time(tmp_path: Path) -> None:
+    from bench.workload import GAP
+    from bench.workload_report import run_gap
+
+    data = _written(run_gap(calls=8, rounds=1, stores=["sqlite"], postgres_url=None, warmup=2,
+                            command="python -m bench gap --calls 8", out_dir=tmp_path,
+                            console=_quiet()), tmp_path)
+
+    assert [r["shape"] for r in data["throughput"]] == [s.name for s in GAP]
+    aof = {s["name"]: s["aof"] for s in data["config"]["shapes"]}
+    assert aof["old"] is False and aof["old+aof"] is True and aof["design"] is True
+    assert all(r["failures"] == 0 for r in data["throughput"])
+
+
+def test_designs_shape_spreads_calls_round_robin_with_a_turn_each() -> None:
+    from bench.workload import DESIGN, OLD
+
+    assert [DESIGN.place(i) for i in (0, 19, 20, 1999)] == [
+        ("s0", "t0"), ("s19", "t0"), ("s0", "t1"), ("s19", "t99")]
+    # the old benchmark: ten consecutive calls per session, all in one turn
+    assert [OLD.place(i) for i in (0, 9, 10, 499)] == [
+        ("s0", "t"), ("s0", "t"), ("s1", "t"), ("s49", "t")]
+
+
+def test_pgindex_costs_each_hot_statement_and_index_and_explains_the_reads(
+    tmp_path: Path,
+) -> None:
+    from bench.pgindex import read_queries, run_pgindex
+
+    # a private PostgreSQL with pg_stat_statements and auto_explain (the machine's binaries)
+    data = _written(run_pgindex(calls=3, rounds=1, postgres_url=None, populate_ended=200,
+                                command="python -m bench pgindex --calls 3", out_dir=tmp_path,
+                                console=_quiet()), tmp_path)
+
+    relations = {r["relation"]: r for r in data["relations"]}
+    # the tables and the indexes the path writes, each with its WAL per call, both schemas
+    assert relations["dex_tool_calls"]["head_bytes"] > 0
+    assert relations["ix_dex_calls_status_tool_effect"]["full_bytes"] > 0
+    assert relations["ix_dex_calls_status_lease"]["partial_at_head"]
+    assert set(data["totals"]) == {"head", "full"}
+    assert data["statements"] and all(s["calls_per_call"] > 0 for s in data["statements"])
+    assert any("dex_tool_calls" in plan for plan in data["hot_plans"])
+    assert [r["query"] for r in data["read_plans"]] == list(read_queries(0.0))
+    assert all(r["custom"] and r["generic"] for r in data["read_plans"])

@@ -59,7 +59,8 @@ def parse_cli(argv: list[str]) -> Any:
 
 def test_services_and_commands(compose: dict[str, Any]) -> None:
     svc = services(compose)
-    assert set(svc) == {"redis", "postgres", "worker", "beat", "api", "flower"}
+    assert set(svc) == {"redis", "postgres", "worker", "beat", "api", "flower",
+                        "otel-collector", "jaeger"}
 
     # The workers run the tool module the user names; the example tools appear nowhere
     worker = parse_cli(svc["worker"]["command"])
@@ -119,7 +120,7 @@ def test_every_dex_variable_is_a_setting_and_secrets_are_not_hard_coded(
     for name in DEX_SERVICES:
         env = svc[name]["environment"]
         assert {"DEX_REDIS_URL", "DEX_DATABASE_URL", "DEX_SECRET_KEY", "DEX_TOOLS"} <= set(env)
-        unknown = set(env) - known
+        unknown = set(env) - known - {"OTEL_EXPORTER_OTLP_ENDPOINT"}  # OpenTelemetry's own
         assert not unknown, f"{name}: {sorted(unknown)} are not DexSettings fields"
         # The signing key and the database password come from the environment / .env file.
         assert re.fullmatch(r"\$\{DEX_SECRET_KEY:\?[^}]+\}", env["DEX_SECRET_KEY"])
@@ -138,7 +139,7 @@ def test_every_dex_variable_is_a_setting_and_secrets_are_not_hard_coded(
 def test_dockerfile_builds_a_non_root_image_with_postgres_and_the_users_tools() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
-    assert 'pip install ".[postgres,flower]"' in text
+    assert 'pip install ".[postgres,flower,otel]"' in text
     # The user's tools: a build argument installed after dex-tasks, and a mount point on the
     # import path
     assert re.search(r"^ARG TOOLS_REQUIREMENTS=", text, re.M)
@@ -176,7 +177,7 @@ USER_SETTINGS = {"DEX_SECRET_KEY": "k" * 32, "POSTGRES_PASSWORD": "pw-from-env",
 
 
 def compose_config(env: dict[str, str], tmp_path: Path,
-                   *files: Path) -> subprocess.CompletedProcess[str]:
+                   *files: Path | str) -> subprocess.CompletedProcess[str]:
     """``docker-compose config`` as a user would run it, with only ``env`` set (no .env)."""
     client = _compose_client()
     if client is None:
@@ -187,7 +188,9 @@ def compose_config(env: dict[str, str], tmp_path: Path,
             if k not in USER_SETTINGS and not k.startswith(("DEX_", "TOOLS_"))}
     empty = tmp_path / "empty.env"
     empty.write_text("")
-    args = [arg for f in (COMPOSE, *files) for arg in ("-f", str(f))]
+    # Paths are files (-f); other strings are options (--profile tracing).
+    args = [arg for f in (COMPOSE, *files)
+            for arg in (("-f", str(f)) if isinstance(f, Path) else (f,))]
     return subprocess.run([*client, "--env-file", str(empty), *args, "config"], cwd=ROOT,
                           env={**base, **env}, capture_output=True, text=True, timeout=60)
 
@@ -207,6 +210,42 @@ def test_compose_config_validates_and_names_what_is_missing(tmp_path: Path) -> N
     config = yaml.safe_load(rendered.stdout)
     assert config["services"]["api"]["environment"]["DEX_SECRET_KEY"] == "k" * 32
     assert "pw-from-env" in config["services"]["worker"]["environment"]["DEX_DATABASE_URL"]
+
+
+def test_the_tracing_profile_adds_a_collector_and_jaeger(compose: dict[str, Any],
+                                                        tmp_path: Path) -> None:
+    # Without the profile nothing of it runs, and the services export nowhere
+    svc = services(compose)
+    for name in ("otel-collector", "jaeger"):
+        assert svc[name]["profiles"] == ["tracing"], name
+    plain = compose_config(USER_SETTINGS, tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    rendered = yaml.safe_load(plain.stdout)
+    for name in ("otel-collector", "jaeger"):  # (Compose v1 renders them, with the profile)
+        assert rendered["services"].get(name, {"profiles": ["tracing"]})["profiles"] == \
+            ["tracing"]
+    assert not rendered["services"]["worker"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    # With it, and the endpoint docs/tracing.md gives, worker, beat and API export to the
+    # collector, which forwards to Jaeger (its UI on the loopback only)
+    endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel-collector:4318"}
+    traced = compose_config({**USER_SETTINGS, **endpoint}, tmp_path, "--profile", "tracing")
+    assert traced.returncode == 0, traced.stderr
+    config = yaml.safe_load(traced.stdout)["services"]
+    assert {"otel-collector", "jaeger"} <= set(config)
+    for name in DEX_SERVICES:
+        assert config[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == \
+            "http://otel-collector:4318"
+    [port] = config["jaeger"]["ports"]
+    assert (port if isinstance(port, str) else
+            f"{port['host_ip']}:{port['published']}:{port['target']}").startswith(
+        "127.0.0.1:16686:16686")
+    collector = yaml.safe_load((ROOT / "deploy" / "otel-collector.yaml").read_text())
+    assert collector["receivers"]["otlp"]["protocols"]["http"]["endpoint"].endswith(":4318")
+    assert collector["exporters"]["otlp/jaeger"]["endpoint"] == "jaeger:4317"
+    assert collector["service"]["pipelines"]["traces"]["exporters"] == ["otlp/jaeger"]
+    [mounted] = config["otel-collector"]["volumes"]
+    assert "deploy/otel-collector.yaml:/etc/otelcol/config.yaml" in (
+        mounted if isinstance(mounted, str) else f"{mounted['source']}:{mounted['target']}")
 
 
 def test_compose_runs_the_users_tool_module_installed_or_mounted(tmp_path: Path) -> None:

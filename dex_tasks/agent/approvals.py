@@ -54,6 +54,7 @@ from dex_tasks.limits import (
     check_id,
     check_text,
 )
+from dex_tasks.observe.tracing import approvals_decided
 from dex_tasks.registry import canonical_json
 from dex_tasks.states import CallStatus
 from dex_tasks.store import APPROVALS, CALLS, INTERRUPTS, Store, catalog, webhooks
@@ -301,6 +302,7 @@ def resolve_interrupt(
                                           "interrupt_id": interrupt_id, "decision": decision,
                                           "approver": approver,
                                           "arguments_edited": edited is not None})
+    approvals_decided(store, [key], decision, approver, now)  # OpenTelemetry, when on
     if approved:
         _publish_approved(store, app, key, now)
     return True

@@ -28,6 +28,7 @@ from dex_tasks.limits import (
 )
 from dex_tasks.limits import KEY_PART_MAX as KEY_PART_MAX
 from dex_tasks.limits import key_part as key_part
+from dex_tasks.observe import tracing
 from dex_tasks.policy import EffectClass, ToolPolicy, parse_effect, resolve_policy
 from dex_tasks.registry import InvalidArguments, canonical_json
 from dex_tasks.states import CallStatus
@@ -219,6 +220,9 @@ def _rows(
         "expires_at": now + expires_in if expires_in else None,
         "created_at": now,
         "updated_at": now,
+        # The agent's call_tool span (OpenTelemetry), when it traces: observe/tracing.py.
+        "trace_context": tracing.request_span(key, session_id, turn_id, tool_call_id, tool,
+                                              policy.effect.value, hold),
     }
     return row, interrupt
 

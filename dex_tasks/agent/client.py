@@ -35,6 +35,7 @@ from dex_tasks.errors import (
 )
 from dex_tasks.lazy import Deferred
 from dex_tasks.limits import APPROVER_MAX, check_id
+from dex_tasks.observe.tracing import traced_request
 from dex_tasks.policy import EffectClass, seconds
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
 
@@ -157,6 +158,7 @@ class DexClient(SessionMethods):
 
     # -- calls ----------------------------------------------------------------------------------
 
+    @traced_request
     def call_tool(
         self,
         *,
@@ -253,6 +255,7 @@ class DexClient(SessionMethods):
         return self._record_calls(_requests(calls), session_id, turn_id, default_effect,
                                   approval_deadline, expires_in)
 
+    @traced_request
     def _record_calls(
         self, requests: Sequence[ToolCallRequest], session_id: str, turn_id: str,
         default_effect: EffectClass | str | None, approval_deadline: float | timedelta | None,

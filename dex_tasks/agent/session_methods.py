@@ -98,10 +98,10 @@ class SessionMethods:
         return record
 
     def _stored_call(self, key: str) -> hints.ToolCallRecord:
-        row = self.store.get_call(key)
+        row = self.store.get_call_columns(key)
         if row is None:
             raise CallNotFoundError(key)
-        return ToolCallRecord.from_row(row)
+        return ToolCallRecord.from_mapping(row)
 
     def wait(self, key: str, timeout: float = 30.0) -> hints.ToolCallRecord:
         """Block until the call is terminal and return it; ``TimeoutError`` after ``timeout``.

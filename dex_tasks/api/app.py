@@ -27,9 +27,8 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-import redis
 from fastapi import (
     APIRouter,
     Depends,
@@ -100,13 +99,7 @@ from dex_tasks.api.schemas import (
     parse_resolve_body,
     validation_error_body,
 )
-from dex_tasks.broker.metrics import (
-    beat_is_late,
-    last_sweep_at,
-    metrics_redis,
-    render_metrics,
-    shown_runs,
-)
+from dex_tasks.broker.metrics import beat_state, metrics_redis, render_metrics, shown_runs
 from dex_tasks.errors import InvalidArgumentError, StoreUnavailableError
 from dex_tasks.limits import KEY_MAX
 from dex_tasks.logs import redact_logger
@@ -421,21 +414,6 @@ def approvals_page(request: Request, session_id: SessionId) -> RedirectResponse:
     query = request.url.query
     return RedirectResponse(f"{target}?{query}" if query else target, status_code=308,
                             headers={"Referrer-Policy": "no-referrer"})
-
-
-def beat_state(settings: DexSettings) -> Literal["ok", "late", "unknown"]:
-    """``ok`` if a beat swept within 3 sweep intervals, ``late`` if none did (approval
-    deadlines are not being enforced), ``unknown`` if Redis, where beat records its sweeps,
-    does not answer. What ``/healthz``, the session page and ``dex-tasks status`` go by."""
-    try:
-        client = metrics_redis(settings)
-        client.ping()
-        last = last_sweep_at(client)
-    except redis.RedisError as err:
-        log.warning("beat's last sweep unreadable: Redis unreachable",
-                    extra={"action": "http_beat_state_unknown", "error": str(err)})
-        return "unknown"
-    return "late" if beat_is_late(last, settings.sweep_interval_seconds) else "ok"
 
 
 @router.get("/healthz", tags=["operations"], responses={

@@ -24,6 +24,7 @@ from kombu.entity import Exchange, Queue
 
 from dex_tasks.broker.redis_clients import broker_options, keepalive_options
 from dex_tasks.broker.routing import queue_for
+from dex_tasks.observe.tracing import message_headers
 from dex_tasks.policy import EffectClass
 from dex_tasks.settings import DexSettings
 from dex_tasks.store.models import ToolCallRow
@@ -175,6 +176,8 @@ def publish(app: Celery, call: ToolCallRow, *, countdown: float | None = None,
         # tenth of publish()'s CPU.
         "declare": [],
     }
+    if call.trace_context is not None:  # OpenTelemetry: the trace joins the agent's
+        options["headers"] = message_headers(call)
     if countdown:
         options["countdown"] = countdown
     if call.expires_at is not None:

@@ -48,8 +48,9 @@ import json
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
+import redis
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -418,3 +419,18 @@ def render_metrics(store: Store, redis_client: redis.Redis | None = None, *,
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(store, redis_client, now=now))
     return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def beat_state(settings: DexSettings) -> Literal["ok", "late", "unknown"]:
+    """``ok`` if a beat swept within 3 sweep intervals, ``late`` if none did (approval
+    deadlines are not being enforced), ``unknown`` if Redis, where beat records its sweeps,
+    does not answer. What ``/healthz``, the session page and ``dex-tasks status`` go by."""
+    try:
+        client = metrics_redis(settings)
+        client.ping()
+        last = last_sweep_at(client)
+    except redis.RedisError as err:
+        log.warning("beat's last sweep unreadable: Redis unreachable",
+                    extra={"action": "http_beat_state_unknown", "error": str(err)})
+        return "unknown"
+    return "late" if beat_is_late(last, settings.sweep_interval_seconds) else "ok"

@@ -266,6 +266,15 @@ class Calls(StoreBase):
             read=True, single=True)
         return ToolCallRow.model_validate(dict(row)) if row else None
 
+    def get_call_columns(self, key: str) -> Mapping[str, Any] | None:
+        """The stored call's columns as read, or None: ``get_call`` without building a
+        ``ToolCallRow`` (what a poll or a waiter's read needs; see
+        ``ToolCallRecord.from_mapping``). Retried across a lost connection."""
+        row = self._retrying(
+            lambda conn, _: conn.execute(_GET_CALL, {"get_key": key}).mappings().first(),
+            read=True, single=True)
+        return dict(row) if row else None
+
     def calls_for_session(self, session_id: str) -> list[ToolCallRow]:
         """The session's calls, oldest first."""
         rows = self._fetch(select(CALLS).where(CALLS.c.session_id == session_id)

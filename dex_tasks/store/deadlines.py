@@ -16,6 +16,7 @@ from typing import Any
 
 from sqlalchemy import Select, Update, select, update
 
+from dex_tasks.observe.tracing import approvals_decided
 from dex_tasks.states import CallStatus
 from dex_tasks.store import INTERRUPTS, Move, Store, webhooks
 
@@ -113,6 +114,7 @@ def _expire_batch(store: Store, now: float, batch: int) -> tuple[int, bool]:
             log.error("expired interrupt's call was not awaiting approval",
                       extra={"action": "interrupt_inconsistent", "key": row.key,
                              "interrupt_id": row.interrupt_id})
+    approvals_decided(store, sorted(rejected), EXPIRED, None, now)  # OpenTelemetry, when on
     return len(rows), through is not None
 
 

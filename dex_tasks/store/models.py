@@ -26,7 +26,7 @@ Views for users live in ``records.py``.
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column, Index, Integer, LargeBinary, Text
+from sqlalchemy import BigInteger, Column, Index, Integer, LargeBinary, Text, text
 from sqlmodel import Field, SQLModel
 
 from dex_tasks.limits import (
@@ -52,12 +52,22 @@ class ToolCallRow(SQLModel, table=True):
     __table_args__ = (
         # The lease reaper and the republisher look only at these, so both sweeps are
         # O(calls in that status), not O(all calls).
-        Index("ix_dex_calls_status_lease", "status", "lease_expires_at"),
+        # Partial (migration 0012): only a call holding a lease is in it, so a call's insert
+        # and its end (which clears the lease) write no entry; the reaper's
+        # ``lease_expires_at < ?`` implies the predicate, in generic plans too.
+        Index("ix_dex_calls_status_lease", "status", "lease_expires_at",
+              postgresql_where=text("lease_expires_at IS NOT NULL"),
+              sqlite_where=text("lease_expires_at IS NOT NULL")),
         Index("ix_dex_calls_status_published", "status", "published_at"),
         # Prune reads terminal calls by finish time, and the reconcilers page through
         # outcome_unknown calls in finish order. (It replaces an index on status alone, which
         # these three made redundant.)
-        Index("ix_dex_calls_status_finished", "status", "finished_at"),
+        # Partial (migration 0012): only ended calls, so the insert and the claim write no
+        # entry; prune's ``finished_at < ?`` and the reconcilers' keyset (after their first
+        # page, which reads the few outcome_unknown calls by status) imply the predicate.
+        Index("ix_dex_calls_status_finished", "status", "finished_at",
+              postgresql_where=text("finished_at IS NOT NULL"),
+              sqlite_where=text("finished_at IS NOT NULL")),
         # /metrics counts the open calls by tool and effect class from this index alone, so a
         # scrape reads only the open calls' entries, never the ended ones (which grow for
         # ever). It also serves every lookup by status.
@@ -97,6 +107,9 @@ class ToolCallRow(SQLModel, table=True):
                                            sa_column=Column(JsonText, nullable=True))
     # Policy snapshot of a rule on the arguments: the rule, its decision and why.
     approval_rule: str | None = Field(default=None, sa_column=Column(JsonText, nullable=True))
+    # The W3C traceparent of the agent's span that requested it (OpenTelemetry, migration
+    # 0011): the worker's and the approval's spans join that trace. None when not traced.
+    trace_context: str | None = Field(default=None, max_length=64)
 
 
 class CallEventRow(SQLModel, table=True):
@@ -203,13 +216,20 @@ class MessageRow(SQLModel, table=True):
     __table_args__ = (
         # Delivery looks only at queued messages (of one session, or all for the sweep); only
         # user messages have a status, so tool and assistant messages are never in its range.
-        Index("ix_dex_messages_status_session", "status", "session_id"),
+        # Partial (migration 0012): tool and assistant messages (status NULL, one per call)
+        # write no entry; delivery's ``status = 'queued'`` implies the predicate.
+        Index("ix_dex_messages_status_session", "status", "session_id",
+              postgresql_where=text("status IS NOT NULL"),
+              sqlite_where=text("status IS NOT NULL")),
         # One tool message per call, whatever code ended it: a backstop behind the guarded
         # transition (user and assistant messages have no key, and NULLs never collide).
         Index("ux_dex_messages_key", "key", unique=True),
         # One journaled model response per step of a turn (durable turns): two processes that
         # record the same step race on this index, and the loser reads the winner's.
-        Index("ux_dex_messages_step", "session_id", "turn_id", "step", unique=True),
+        # Partial (migration 0012): rows without a step never collided (NULLs are distinct),
+        # so only journaled steps need an entry; a call's tool message writes none.
+        Index("ux_dex_messages_step", "session_id", "turn_id", "step", unique=True,
+              postgresql_where=text("step IS NOT NULL"), sqlite_where=text("step IS NOT NULL")),
     )
 
     id: int | None = Field(default=None, primary_key=True, sa_type=ID)

@@ -61,26 +61,41 @@ class ToolCallRecord(BaseModel):
     @classmethod
     def from_row(cls, row: ToolCallRow) -> ToolCallRecord:
         """Build the view from a store row."""
+        return cls.from_mapping({name: getattr(row, name, None) for name in _RECORD_COLUMNS})
+
+    @classmethod
+    def from_mapping(cls, row: Mapping[str, Any]) -> ToolCallRecord:
+        """Build the view from the columns of a call as read (``Store.get_call_columns``):
+        what ``get_tool_call`` and ``wait`` return, without building a ``ToolCallRow``
+        first (its validation cost more than the read itself: ``python -m bench pgindex``'s
+        notes in docs/performance.md)."""
         return cls(
-            key=row.key,
-            session_id=row.session_id,
-            turn_id=row.turn_id,
-            tool_call_id=row.tool_call_id,
-            tool=row.tool,
-            arguments=json.loads(row.arguments),
-            effect=EffectClass(row.effect),
-            requires_approval=row.requires_approval,
-            status=CallStatus(row.status),
-            result=None if row.result is None else json.loads(row.result),
-            error=row.error,
-            attempts=row.attempts,
-            max_attempts=row.max_attempts,
-            interrupt_id=row.interrupt_id,
-            created_at=_dt(row.created_at),
-            finished_at=_dt(row.finished_at),
-            original_arguments=_json_or_none(getattr(row, "original_arguments", None)),
-            approval_rule=_json_or_none(getattr(row, "approval_rule", None)),
+            key=row["key"],
+            session_id=row["session_id"],
+            turn_id=row["turn_id"],
+            tool_call_id=row["tool_call_id"],
+            tool=row["tool"],
+            arguments=json.loads(row["arguments"]),
+            effect=EffectClass(row["effect"]),
+            requires_approval=row["requires_approval"],
+            status=CallStatus(row["status"]),
+            result=_json_or_none(row["result"]),
+            error=row["error"],
+            attempts=row["attempts"],
+            max_attempts=row["max_attempts"],
+            interrupt_id=row["interrupt_id"],
+            created_at=_dt(row["created_at"]),
+            finished_at=_dt(row["finished_at"]),
+            original_arguments=_json_or_none(row.get("original_arguments")),
+            approval_rule=_json_or_none(row.get("approval_rule")),
         )
+
+
+# The columns of a call that its record shows.
+_RECORD_COLUMNS = ("key", "session_id", "turn_id", "tool_call_id", "tool", "arguments", "effect",
+                   "requires_approval", "status", "result", "error", "attempts", "max_attempts",
+                   "interrupt_id", "created_at", "finished_at", "original_arguments",
+                   "approval_rule")
 
 
 def _json_or_none(text: str | None) -> Any:

@@ -11,6 +11,7 @@ from typing import Any
 from billiard.exceptions import SoftTimeLimitExceeded, WorkerLostError
 
 from dex_tasks.errors import OutcomeUnknownError, TransientToolError
+from dex_tasks.observe.worker_spans import run_tool
 from dex_tasks.policy import EffectClass
 from dex_tasks.registry import ToolContext
 from dex_tasks.states import CallStatus
@@ -61,7 +62,8 @@ def _run(rt: Runtime, call: ToolCallRow, tool: Any, arguments: dict[str, Any],
          attempt: Attempt, *, retrying: bool) -> Outcome:
     key = call.key
     try:
-        value = tool(tool_context(call, attempt.number), **arguments)
+        value = run_tool(call, attempt.number, tool, tool_context(call, attempt.number),
+                         arguments)
     except OutcomeUnknownError as err:
         return _outcome_unknown(rt, key, attempt, err)
     except (TransientToolError, SoftTimeLimitExceeded) as err:

@@ -32,6 +32,7 @@ import logging
 import redis
 from celery import Task
 
+from dex_tasks.observe import worker_spans
 from dex_tasks.worker import claims
 from dex_tasks.worker.attempts import run_attempt
 from dex_tasks.worker.claiming import claim, claim_leased
@@ -59,16 +60,20 @@ def run_retrying(task: Task, key: str) -> None:
     rt = runtime(task.app)
     owner = current_owner(task.request.hostname)
     leased = claim_leased(rt, key, owner)
+    worker_spans.claimed(leased)
     if not isinstance(leased, tuple):
         _report_unclaimed(task, key, leased)
         return
     call, tool, arguments, attempt = leased
-    report(task, call, run_attempt(rt, call, tool, arguments, attempt, retrying=True))
+    outcome = run_attempt(rt, call, tool, arguments, attempt, retrying=True)
+    worker_spans.ended(outcome)
+    report(task, call, outcome)
 
 
 def _claim_and_run(task: Task, rt: Runtime, key: str, owner: str) -> None:
     """Claim a single-attempt call in the store, run it, and tell Celery how it ended."""
     claimed = claim(rt, key, owner)
+    worker_spans.claimed(claimed)
     if not isinstance(claimed, tuple):
         if claimed is None:
             # A late duplicate of an ended call took a fresh Redis claim (the ended call's
@@ -77,8 +82,10 @@ def _claim_and_run(task: Task, rt: Runtime, key: str, owner: str) -> None:
         _report_unclaimed(task, key, claimed)
         return
     call, tool, arguments = claimed
-    report(task, call, run_attempt(rt, call, tool, arguments, Attempt(owner, call.attempts),
-                                   retrying=False))
+    outcome = run_attempt(rt, call, tool, arguments, Attempt(owner, call.attempts),
+                          retrying=False)
+    worker_spans.ended(outcome)
+    report(task, call, outcome)
 
 
 def _report_unclaimed(task: Task, key: str, outcome: Outcome | None) -> None:

@@ -26,6 +26,7 @@ from celery.worker import state as worker_state
 from dex_tasks.broker.celery_app import RUN_RETRYING, RUN_SINGLE_ATTEMPT
 from dex_tasks.broker.redis_clients import redis_client
 from dex_tasks.broker.routing import Presence
+from dex_tasks.observe import worker_spans
 from dex_tasks.states import CallStatus
 from dex_tasks.store import bounded_statements
 from dex_tasks.worker import webhooks
@@ -104,6 +105,7 @@ def install(app: Celery, tools: Iterable[str] = (), *, pool: str = "prefork",
     """Connect the handlers for ``app``'s worker (called by ``dex-tasks worker``), which
     serves ``tools`` on ``pool`` with ``concurrency`` slots."""
     served = sorted(tools)
+    worker_spans.install(app)  # OpenTelemetry: a span per delivery (when it is configured)
 
     @signals.worker_process_init.connect(weak=False)
     def _child_started(**_: Any) -> None:

@@ -27,6 +27,7 @@ from dex_tasks import (
     UnknownToolError,
     tool_message_text,
 )
+from dex_tasks.arguments import InvalidArguments, normalize
 from dex_tasks.integrations.openai_agents.context import async_client, call_ids
 
 DEFAULT_TIMEOUT = 120.0
@@ -131,21 +132,29 @@ def _function_tool(client: AsyncDexClient, spec: ToolSpec,
         params_json_schema=schema,
         on_invoke_tool=DexInvoker(client, spec.name, default_effect, timeout),
         strict_json_schema=_already_strict(schema),
-        needs_approval=_needs_approval(spec.policy),
+        needs_approval=_needs_approval(spec.policy, spec.name, spec.parameters),
     )
 
 
-def _needs_approval(policy: ToolPolicy) -> bool | Callable[..., Awaitable[bool]]:
+def _needs_approval(policy: ToolPolicy, name: str, schema: dict[str, Any]
+                    ) -> bool | Callable[..., Awaitable[bool]]:
     """``needs_approval`` for a tool with this dex policy: a flag, or for a rule on the
     arguments the SDK's callable, which asks the rule (``ToolPolicy.approval_for``, the very
-    evaluation ``call_tool`` makes from the catalog's policy) so that only the calls the rule
-    sends to a person pause the run. A rule that cannot be evaluated pauses it (fail closed)."""
+    evaluation ``call_tool`` makes from the catalog's policy) on the arguments normalized as
+    ``call_tool`` normalizes them (``dex_tasks.arguments``: ``"true"`` for ``true``, defaults
+    filled in), so that only the calls the rule sends to a person pause the run. A rule that
+    cannot be evaluated pauses it (fail closed); arguments the schema refuses do not (the
+    call is refused, unrun, by ``call_tool``)."""
     if not isinstance(policy.requires_approval, ApprovalRule):
         return policy.needs_approval
 
     async def asks_the_rule(_ctx: RunContextWrapper[Any], arguments: dict[str, Any],
                             _call_id: str) -> bool:
-        return policy.approval_for(arguments).required
+        try:
+            normalized = normalize(name, schema, arguments)
+        except InvalidArguments:
+            return False
+        return policy.approval_for(normalized).required
 
     return asks_the_rule
 

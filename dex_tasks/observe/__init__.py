@@ -1,0 +1,1 @@
+"""Observability that is optional: OpenTelemetry traces (the ``[otel]`` extra)."""
