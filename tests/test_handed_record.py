@@ -31,7 +31,7 @@ def settings(redis_url: str, database_url: str) -> DexSettings:
 def _timed_reads(client: DexClient, monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """When each read of a call by ``client`` ended."""
     reads: list[float] = []
-    original: Callable[..., Any] = client.store.get_call
+    original: Callable[..., Any] = client.store.get_call_columns
 
     def get_call(key: str, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -39,7 +39,7 @@ def _timed_reads(client: DexClient, monkeypatch: pytest.MonkeyPatch) -> list[flo
         finally:
             reads.append(time.time())
 
-    monkeypatch.setattr(client.store, "get_call", get_call)
+    monkeypatch.setattr(client.store, "get_call_columns", get_call)
     return reads
 
 
