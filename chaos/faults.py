@@ -147,9 +147,10 @@ class Faults:
                                                socket_timeout=2)).running()
         except redis.RedisError:
             leased = {}
-        rows = [*rows, *((key, run.attempt, run.worker) for key, run in leased.items())]
+        owners: list[tuple[Any, Any, Any]] = [tuple(row) for row in rows]
+        owners += [(key, run.attempt, run.worker) for key, run in leased.items()]
         result = []
-        for key, attempts, worker in rows:
+        for key, attempts, worker in owners:
             pid = owner_pid(worker)
             if pid is not None:
                 result.append((str(key), int(attempts), pid))
