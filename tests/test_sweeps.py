@@ -96,6 +96,9 @@ def test_whole_worker_loss_is_reaped_by_effect_class(
     # When the whole worker disappears, and the reaper runs once the leases have run out
     first.kill_all()
     after_leases = time.time() + rt.settings.lease_seconds + 0.5
+    # (The retrying calls' leases are in Redis, timed on Redis's own clock, which no ``now``
+    # moves: the reaper runs once they have really lapsed.)
+    wait_until(lambda: time.time() > after_leases, 20, "the leases to lapse")
     assert reap_expired_leases(rt, now=after_leases) == 4
 
     # Then the single-attempt charge is outcome_unknown, never to run again
