@@ -116,7 +116,7 @@ def _child(variant: str, redis_url: str, database_url: str, calls: int, warmup: 
 def _hooks_ns(row: Any, n: int = 100_000) -> float:
     """What the hooks alone cost one call_tool, in ns: the request's context, the call's span
     (and its traceparent for the row), the message's headers; by the same clock, n times."""
-    from dex_tasks.observe import tracing
+    from dex_tasks import tracing
 
     started = time.perf_counter_ns()
     for _ in range(n):

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from dex_tasks.agent.calls import ToolCallRequest, key_part
     from dex_tasks.agent.client import DexClient, idempotency_key
     from dex_tasks.agent.reconcile import report_unknown_outcomes, report_unknown_outcomes_sync
+    from dex_tasks.arguments import InvalidArguments, normalize_arguments
     from dex_tasks.errors import (
         BrokerRefusedError,
         CallNotFoundError,
@@ -70,6 +71,8 @@ if TYPE_CHECKING:
     from dex_tasks.tokens import TokenClaims, issue_token, read_token, token_identity, verify_token
     from dex_tasks.webhooks import WebhookSignatureError, verify_webhook
 _LAZY: dict[str, str] = {
+    "InvalidArguments": "dex_tasks.arguments",
+    "normalize_arguments": "dex_tasks.arguments",
     "ApprovalRule": "dex_tasks.rules",
     "ApproverPermissionError": "dex_tasks.agent.approvals",
     "SelfApprovalError": "dex_tasks.agent.approvals",
@@ -160,6 +163,7 @@ __all__ = [
     "ForbiddenSessionError",
     "IllegalTransitionError",
     "InvalidArgumentError",
+    "InvalidArguments",
     "InvalidCallError",
     "InvalidEditError",
     "InvalidPolicyError",
@@ -193,6 +197,7 @@ __all__ = [
     "idempotency_key",
     "issue_token",
     "key_part",
+    "normalize_arguments",
     "read_token",
     "report_unknown_outcomes",
     "report_unknown_outcomes_sync",

@@ -253,6 +253,11 @@ def normalize(tool: str, schema: Mapping[str, Any], arguments: Mapping[str, Any]
     return json_form(tool, plain)
 
 
+normalize_arguments = normalize
+"""The public name of :func:`normalize` (``dex_tasks.normalize_arguments``): what framework
+adapters use to judge a rule on the arguments ``call_tool`` will record."""
+
+
 def json_form(tool: str, validated: dict[str, Any]) -> dict[str, Any]:
     """``validated`` (the JSON form of validated arguments) if JSON can hold it; else
     :class:`InvalidArguments` naming the field ("inf" coerced to a number is valid for

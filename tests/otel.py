@@ -1,7 +1,7 @@
 """OpenTelemetry for the tracing tests: the test process's spans in the SDK's in-memory
 exporter, and the spans of the `dex-tasks` subprocesses (worker, API, sweep) received by a small
 OTLP/HTTP receiver on loopback, which they export to from the standard `OTEL_*` variables, as in
-production (dex_tasks/observe/setup.py). Both end up as :class:`Span` rows to assert on."""
+production (dex_tasks/ops/tracing_setup.py). Both end up as :class:`Span` rows to assert on."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from dex_tasks.observe import tracing
+from dex_tasks import tracing
 
 
 @dataclass(frozen=True)

@@ -246,7 +246,7 @@ def test_an_unknown_tool_says_did_you_mean_in_a_short_traceback(
     # The caller's line and call_tool's (with its tracing wrapper), nothing inside: no frame of
     # the catalog or the store.
     inside = [f for f in frames if "dex_tasks" in f and not f.endswith("in call_tool")
-              and not ("observe/tracing.py" in f and f.endswith("in wrapper"))]
+              and not ("dex_tasks/tracing.py" in f and f.endswith("in wrapper"))]
     assert len(frames) <= 3 and not inside, out.stderr
 
 

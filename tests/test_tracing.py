@@ -187,7 +187,7 @@ def test_a_deadline_decided_by_the_sweep_joins_the_trace(
 def test_untraced_calls_carry_no_context(client: DexClient, start_worker: StartWorker) -> None:
     # Given no OpenTelemetry configured in the agent process (the global provider is the API's
     # default): a call stores no trace context and its message has no traceparent
-    from dex_tasks.observe import tracing
+    from dex_tasks import tracing
 
     assert tracing.tracer() is None
     start_worker()

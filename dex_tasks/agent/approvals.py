@@ -54,7 +54,6 @@ from dex_tasks.limits import (
     check_id,
     check_text,
 )
-from dex_tasks.observe.tracing import approvals_decided
 from dex_tasks.registry import canonical_json
 from dex_tasks.states import CallStatus
 from dex_tasks.store import APPROVALS, CALLS, INTERRUPTS, Store, catalog, webhooks
@@ -66,6 +65,7 @@ from dex_tasks.store.deadlines import (
 from dex_tasks.store.records import edit_note
 from dex_tasks.store.sqljson import same_json
 from dex_tasks.store.tables import INSERT_EVENT
+from dex_tasks.tracing import approvals_decided
 
 # The readers' views (session_views.py) stay importable from here, as they always were.
 __all__ = [

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dex_tasks import tracing
 from dex_tasks.errors import ConflictError, InvalidCallError
 from dex_tasks.lazy import Deferred
 from dex_tasks.limits import (
@@ -28,7 +29,6 @@ from dex_tasks.limits import (
 )
 from dex_tasks.limits import KEY_PART_MAX as KEY_PART_MAX
 from dex_tasks.limits import key_part as key_part
-from dex_tasks.observe import tracing
 from dex_tasks.policy import EffectClass, ToolPolicy, parse_effect, resolve_policy
 from dex_tasks.registry import InvalidArguments, canonical_json
 from dex_tasks.states import CallStatus
@@ -220,7 +220,7 @@ def _rows(
         "expires_at": now + expires_in if expires_in else None,
         "created_at": now,
         "updated_at": now,
-        # The agent's call_tool span (OpenTelemetry), when it traces: observe/tracing.py.
+        # The agent's call_tool span (OpenTelemetry), when it traces: dex_tasks/tracing.py.
         "trace_context": tracing.request_span(key, session_id, turn_id, tool_call_id, tool,
                                               policy.effect.value, hold),
     }

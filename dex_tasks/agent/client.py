@@ -35,9 +35,9 @@ from dex_tasks.errors import (
 )
 from dex_tasks.lazy import Deferred
 from dex_tasks.limits import APPROVER_MAX, check_id
-from dex_tasks.observe.tracing import traced_request
 from dex_tasks.policy import EffectClass, seconds
 from dex_tasks.states import TOOL_DID_NOT_RUN, CallStatus
+from dex_tasks.tracing import traced_request
 
 # Celery, SQLAlchemy and pydantic-settings are imported when the first client is built, not
 # with this module: ``from dex_tasks import DexClient`` stays cheap (dex_tasks.lazy says how).

@@ -24,10 +24,10 @@ from kombu.entity import Exchange, Queue
 
 from dex_tasks.broker.redis_clients import broker_options, keepalive_options
 from dex_tasks.broker.routing import queue_for
-from dex_tasks.observe.tracing import message_headers
 from dex_tasks.policy import EffectClass
 from dex_tasks.settings import DexSettings
 from dex_tasks.store.models import ToolCallRow
+from dex_tasks.tracing import message_headers
 
 # The workers' sweep job (reconcile_unknown), on a queue every worker consumes.
 RECONCILE_QUEUE = "dex.reconcile"

@@ -17,9 +17,9 @@ from dex_tasks.broker.preflight import refusal, transient
 from dex_tasks.broker.redis_clients import safe_url
 from dex_tasks.errors import ConfigurationError, DexError
 from dex_tasks.logs import visible
-from dex_tasks.observe.setup import configure_from_env
 from dex_tasks.ops import cli_approvals, cli_inspect, cli_processes, cli_store
 from dex_tasks.ops.cli_common import until_store_answers
+from dex_tasks.ops.tracing_setup import configure_from_env
 from dex_tasks.settings import DexSettings, settings_lines
 
 __all__ = ["app", "main", "until_store_answers"]
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     status 2 for configuration and 1 otherwise.
     """
     try:
-        # OpenTelemetry from the OTEL_* variables, when they ask for traces (observe/setup.py).
+        # OpenTelemetry from the OTEL_* variables, when they ask for traces (ops/tracing_setup.py).
         configure_from_env(next(iter(argv if argv is not None else sys.argv[1:]), "cli"))
         app(args=argv)
     except DexError as err:

@@ -16,9 +16,9 @@ from typing import Any
 
 from sqlalchemy import Select, Update, select, update
 
-from dex_tasks.observe.tracing import approvals_decided
 from dex_tasks.states import CallStatus
 from dex_tasks.store import INTERRUPTS, Move, Store, webhooks
+from dex_tasks.tracing import approvals_decided
 
 log = logging.getLogger("dex_tasks.store.deadlines")
 

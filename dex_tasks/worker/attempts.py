@@ -11,7 +11,6 @@ from typing import Any
 from billiard.exceptions import SoftTimeLimitExceeded, WorkerLostError
 
 from dex_tasks.errors import OutcomeUnknownError, TransientToolError
-from dex_tasks.observe.worker_spans import run_tool
 from dex_tasks.policy import EffectClass
 from dex_tasks.registry import ToolContext
 from dex_tasks.states import CallStatus
@@ -28,6 +27,7 @@ from dex_tasks.worker.endings import (
 )
 from dex_tasks.worker.leased import lost_run
 from dex_tasks.worker.runtime import Runtime
+from dex_tasks.worker.spans import run_tool
 from dex_tasks.worker.task_states import Outcome
 
 

@@ -32,8 +32,8 @@ import logging
 import redis
 from celery import Task
 
-from dex_tasks.observe import worker_spans
 from dex_tasks.worker import claims
+from dex_tasks.worker import spans as worker_spans
 from dex_tasks.worker.attempts import run_attempt
 from dex_tasks.worker.claiming import claim, claim_leased
 from dex_tasks.worker.endings import DUPLICATE, RACED, Attempt, message_lost

@@ -26,9 +26,9 @@ from celery.worker import state as worker_state
 from dex_tasks.broker.celery_app import RUN_RETRYING, RUN_SINGLE_ATTEMPT
 from dex_tasks.broker.redis_clients import redis_client
 from dex_tasks.broker.routing import Presence
-from dex_tasks.observe import worker_spans
 from dex_tasks.states import CallStatus
 from dex_tasks.store import bounded_statements
+from dex_tasks.worker import spans as worker_spans
 from dex_tasks.worker import webhooks
 from dex_tasks.worker.endings import did_not_run
 from dex_tasks.worker.leased import handle_lost

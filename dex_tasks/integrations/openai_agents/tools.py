@@ -21,13 +21,14 @@ from dex_tasks import (
     DexClient,
     DexError,
     EffectClass,
+    InvalidArguments,
     ToolCallRecord,
     ToolPolicy,
     ToolSpec,
     UnknownToolError,
+    normalize_arguments,
     tool_message_text,
 )
-from dex_tasks.arguments import InvalidArguments, normalize
 from dex_tasks.integrations.openai_agents.context import async_client, call_ids
 
 DEFAULT_TIMEOUT = 120.0
@@ -151,7 +152,7 @@ def _needs_approval(policy: ToolPolicy, name: str, schema: dict[str, Any]
     async def asks_the_rule(_ctx: RunContextWrapper[Any], arguments: dict[str, Any],
                             _call_id: str) -> bool:
         try:
-            normalized = normalize(name, schema, arguments)
+            normalized = normalize_arguments(name, schema, arguments)
         except InvalidArguments:
             return False
         return policy.approval_for(normalized).required

@@ -3,7 +3,7 @@
 With OpenTelemetry configured in the agent process, ``call_tool`` stores the context of its
 span with the call, so that whatever happens to the call later, in whichever process (a worker,
 a republish by beat, an approval decided days later through the API), joins the agent's trace.
-NULL when the agent process does not trace (see ``dex_tasks/observe/tracing.py``).
+NULL when the agent process does not trace (see ``dex_tasks/tracing.py``).
 
 Revision ID: 0011_trace_context
 Revises: 0010_self_approval

@@ -18,7 +18,7 @@ import importlib.util
 import time
 from typing import TYPE_CHECKING, Any
 
-from dex_tasks.observe import tracing
+from dex_tasks import tracing
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span

@@ -2,7 +2,7 @@
 
 Nothing here runs unless OpenTelemetry is installed (the ``[otel]`` extra) and a tracer
 provider is configured in the process (``trace.set_tracer_provider``, ``opentelemetry-instrument``,
-Logfire, or the ``OTEL_*`` variables a ``dex-tasks`` command reads: ``observe/setup.py``). Until
+Logfire, or the ``OTEL_*`` variables a ``dex-tasks`` command reads: ``ops/tracing_setup.py``). Until
 then each hook is one check of a module global: no span, no context, no header, no column.
 
 The trace of one call::
@@ -25,7 +25,7 @@ later by another process (the API, beat's deadline sweep) all join the agent's t
 Attributes follow OpenTelemetry's semantic conventions where they exist (GenAI tool calls:
 ``gen_ai.operation.name``, ``gen_ai.tool.name``, ``gen_ai.tool.call.id``,
 ``gen_ai.conversation.id``; messaging: ``messaging.*``); the rest are ``dex.*``. Arguments and
-results are recorded only when ``DEX_TRACE_TOOL_CONTENT`` is on (see ``worker_spans.py``).
+results are recorded only when ``DEX_TRACE_TOOL_CONTENT`` is on (see ``worker/spans.py``).
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def approvals_decided(store: Any, keys: list[str], decision: str, approver: str 
     except Exception:  # a trace is never worth a decision: logged, not raised
         import logging
 
-        logging.getLogger("dex_tasks.observe").warning(
+        logging.getLogger("dex_tasks.tracing").warning(
             "could not record the approval's spans", exc_info=True)
 
 

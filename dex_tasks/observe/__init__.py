@@ -1,1 +1,0 @@
-"""Observability that is optional: OpenTelemetry traces (the ``[otel]`` extra)."""
