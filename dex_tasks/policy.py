@@ -39,6 +39,13 @@ class EffectClass(str, Enum):
         return not self.retrying
 
 
+RETRYING_EFFECTS = frozenset(e.value for e in EffectClass if e.retrying)
+"""The stored ``effect`` values of the retrying path. A row whose effect is none of the classes
+(written by hand, or by another release) is not in it, and code that sorts rows by path asks
+this set rather than ``EffectClass(row.effect)``, which would raise on such a row and stop a
+sweep's whole batch."""
+
+
 class InvalidPolicyError(DexError):
     """A policy field has a value that cannot be used."""
 

@@ -111,7 +111,10 @@ def test_roundtrips_counts_store_and_redis_work_per_call(tmp_path: Path) -> None
     phases = json.loads(path.read_text())["phases"]
     by = {(p["path"], p["phase"]): p for p in phases}
     assert by[("read", "call_tool (catalog)")]["sql"]["INSERT"] >= 1
-    assert by[("read", "worker task body")]["sql"]["UPDATE"] >= 2  # claim and finish
+    # A read's start is a lease in Redis (DESIGN version 4): the store sees its end alone; a
+    # single-attempt call keeps its durable claim before its end.
+    assert by[("read", "worker task body")]["sql"]["UPDATE"] == 1
+    assert by[("single", "worker task body")]["sql"]["UPDATE"] >= 2  # claim and finish
     assert by[("single", "worker task body")]["redis"]["set"] == 1  # the Redis claim
 
 

@@ -47,7 +47,7 @@ from redis.retry import Retry
 
 from dex_tasks.broker.metrics import ENDED_KEY, count_ended, ended_counts
 from dex_tasks.broker.routing import CLAIM_KEY
-from dex_tasks.policy import EffectClass
+from dex_tasks.policy import RETRYING_EFFECTS
 
 if TYPE_CHECKING:
     from dex_tasks.store import EndedCall, Store
@@ -176,7 +176,7 @@ def ended_record(message: str | bytes | None, signer: Serializer[str] | None,
 
 def ended_claims(ended: Sequence[EndedCall]) -> list[str]:
     """The Redis claim keys of the single-attempt calls among ``ended`` (only they have one)."""
-    return [CLAIM_KEY + call.key for call in ended if not EffectClass(call.effect).retrying]
+    return [CLAIM_KEY + call.key for call in ended if call.effect not in RETRYING_EFFECTS]
 
 
 # -- sending ------------------------------------------------------------------------------------

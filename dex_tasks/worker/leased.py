@@ -17,7 +17,7 @@ import logging
 import time
 
 from dex_tasks.broker.runs import Run
-from dex_tasks.policy import EffectClass
+from dex_tasks.policy import RETRYING_EFFECTS, EffectClass
 from dex_tasks.states import CallStatus
 from dex_tasks.store import Move, Started
 from dex_tasks.store.models import ToolCallRow
@@ -38,7 +38,7 @@ def handle_lost(rt: Runtime, key: str, owner: str | None, reason: str, *,
     call = rt.store.get_call(key)
     if call is None:
         return None
-    if call.status == CallStatus.QUEUED.value and EffectClass(call.effect).retrying:
+    if call.status == CallStatus.QUEUED.value and call.effect in RETRYING_EFFECTS:
         if owner is None:
             return None  # which child ran it is unknown: its lease lapses, the reaper decides
         return lost_run(rt, call, owner, reason, republish=republish)

@@ -22,7 +22,7 @@ from dex_tasks.broker import routing
 from dex_tasks.broker.celery_app import publish
 from dex_tasks.broker.webhooks import publish as publish_webhooks
 from dex_tasks.errors import StoreUnavailableError
-from dex_tasks.policy import EffectClass
+from dex_tasks.policy import RETRYING_EFFECTS, EffectClass
 from dex_tasks.states import CallStatus
 from dex_tasks.store import (
     CALLS,
@@ -250,7 +250,7 @@ def republish_stranded(rt: Runtime, now: float | None = None) -> int:
 def _running(rt: Runtime, calls: list[ToolCallRow]) -> set[str]:
     """The keys of ``calls`` (queued in the store) that a retrying attempt runs now, under a
     lease in Redis. Redis unreachable: none (the publish fails too, and is tried again)."""
-    retrying = [c.key for c in calls if EffectClass(c.effect).retrying]
+    retrying = [c.key for c in calls if c.effect in RETRYING_EFFECTS]
     try:
         return set(rt.runs.get_many(retrying))
     except redis.RedisError:
