@@ -168,8 +168,10 @@ class DevStack:
             stack.start("beat", ["beat"])
             stack.start("api", ["api", "--host", "127.0.0.1", "--port", str(port)])
             self.watched = snapshot(self.files)  # a save from now on restarts it
+            # INFO: a developer sees a line per call, and the stack waits for the worker's
+            # "ready." line (WARNING, the worker's default, prints none).
             stack.start("worker", ["worker", "--tools", ",".join(self.modules),
-                                   "-c", str(self.concurrency)])
+                                   "-c", str(self.concurrency), "-l", "INFO"])
             stack.wait_ready(names=("beat", "api"))
             worker_up = self._worker_ready()
         console.print(f"  logs    {self.workdir}", highlight=False)
