@@ -149,8 +149,9 @@ def run_the_stack(bin_dir: Path, work: Path, env: dict[str, str],
     (work / "shop_tools.py").write_text(TOOLS)
     port = free_port()
     logs = {name: work / f"{name}.log" for name in ("worker", "beat", "api")}
-    commands = {"worker": ["worker", "--tools", "shop_tools", "-c", "1"], "beat": ["beat"],
-                "api": ["api", "--port", str(port)]}
+    # The worker at INFO: its "ready." line is what this waits for (WARNING prints none).
+    commands = {"worker": ["worker", "--tools", "shop_tools", "-c", "1", "-l", "INFO"],
+                "beat": ["beat"], "api": ["api", "--port", str(port)]}
     for name, args in commands.items():
         with open(logs[name], "wb") as log:
             processes.append(subprocess.Popen(
