@@ -10,7 +10,10 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import redis
+
 from dex_tasks import CallStatus, DexClient, ToolCallRecord
+from dex_tasks.broker.runs import RUNS_KEY
 from dex_tasks.store.deadlines import APPROVAL_DEADLINE_PASSED
 from tests.conftest import StartWorker
 from tests.helpers import started_pid, wait_until
@@ -61,10 +64,11 @@ def test_hung_tools_in_every_slot_delay_no_deadline_and_no_reaping(
                               approval_deadline=2)
     deadline = refund.created_at.timestamp() + 2
     doomed.kill_all()
-    row = client.store.get_call(lost.key)
-    assert row is not None and row.lease_expires_at is not None
-    # (the lease can only be renewed while the worker lives: this is its last expiry)
-    lease_end = row.lease_expires_at
+    # (A retrying call runs under a lease in Redis, DESIGN version 4, renewed only while its
+    # worker lives: this is its last expiry, on Redis's clock, which is this machine's.)
+    with redis.Redis.from_url(client.settings.redis_url) as r:
+        lease_end = r.zscore(RUNS_KEY, lost.key)
+    assert lease_end is not None
 
     # Then beat rejects the refund within a few seconds of its deadline...
     rejected = client.wait(refund.key, 2 + 10 * SLACK)
