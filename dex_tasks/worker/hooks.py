@@ -43,11 +43,16 @@ RECHECK_SECONDS = 0.2
 
 
 class LeaseRenewer(threading.Thread):
-    """Renews the leases of the calls this worker's children are running."""
+    """Renews the leases of the calls this worker's children are running: those of the
+    single-attempt path in the store (``kind="store"``) or the retrying path's runs in Redis
+    (``kind="redis"``). One thread per kind: a store that stalls (another process holding
+    SQLite's write lock for seconds) must not keep the Redis leases from renewing, which the
+    reaper judges on Redis's clock, nor an unreachable Redis the store's."""
 
-    def __init__(self, app: Celery) -> None:
-        super().__init__(name="dex-lease-renewer", daemon=True)
+    def __init__(self, app: Celery, kind: str = "store") -> None:
+        super().__init__(name=f"dex-lease-renewer-{kind}", daemon=True)
         self.app = app
+        self.kind = kind
         self.stopped = threading.Event()
 
     # After a failed renewal (the store unreachable for longer than its retries last), try
@@ -66,37 +71,36 @@ class LeaseRenewer(threading.Thread):
             except Exception:
                 if wait == interval:
                     log.exception("lease renewal failed",
-                                  extra={"action": "lease_renew_error"})
+                                  extra={"action": "lease_renew_error", "kind": self.kind})
                 wait = self.RETRY_AFTER_FAILURE
 
     def renew_once(self) -> int:
-        """Extend every active call's lease to ``lease_seconds`` from now, on the store's
-        clock (this machine's clock plays no part)."""
+        """Extend every active call's lease of this renewer's kind to ``lease_seconds`` from
+        now, on the store's clock or Redis's (this machine's clock plays no part)."""
         rt = runtime(self.app)
+        # The retrying path's attempts are leased in Redis, the others in the store.
+        retrying = self.kind == "redis"
         by_host: dict[str, list[str]] = {}
-        leased: dict[str, list[str]] = {}
         for request in list(worker_state.active_requests):
             # ``type`` is the registered task name; ``name`` is the shadow name that publish()
             # gives each message ("dex.call_tool[lookup_order]") and never matches.
-            if request.type in _CALL_TASKS and request.args:
-                # The retrying path's attempts are leased in Redis, the others in the store.
-                kind = leased if request.type == RUN_RETRYING else by_host
-                kind.setdefault(request.hostname, []).append(request.args[0])
-        renewed = 0
-        if by_host:
-            # Bounded: a renewal waiting on a row lock (a vanished host's session, a call of
-            # ours mid-ending) fails in seconds and is tried again, instead of queueing for
-            # minutes.
-            with bounded_statements(rt.settings.sweep_statement_timeout_seconds,
-                                    rt.settings.sweep_lock_timeout_seconds):
-                renewed = sum(rt.store.renew_leases(f"{host}:", keys, rt.settings.lease_seconds)
-                              for host, keys in by_host.items())
-        # After the store's: Redis unreachable must not keep the store's leases from renewing.
-        return renewed + sum(rt.runs.renew(f"{host}:", keys, rt.settings.lease_seconds)
-                             for host, keys in leased.items())
+            if request.type in _CALL_TASKS and request.args and (
+                    (request.type == RUN_RETRYING) == retrying):
+                by_host.setdefault(request.hostname, []).append(request.args[0])
+        if not by_host:
+            return 0
+        if retrying:
+            return sum(rt.runs.renew(f"{host}:", keys, rt.settings.lease_seconds)
+                       for host, keys in by_host.items())
+        # Bounded: a renewal waiting on a row lock (a vanished host's session, a call of ours
+        # mid-ending) fails in seconds and is tried again, instead of queueing for minutes.
+        with bounded_statements(rt.settings.sweep_statement_timeout_seconds,
+                                rt.settings.sweep_lock_timeout_seconds):
+            return sum(rt.store.renew_leases(f"{host}:", keys, rt.settings.lease_seconds)
+                       for host, keys in by_host.items())
 
 
-_renewer: LeaseRenewer | None = None
+_renewers: list[LeaseRenewer] = []
 _presence: Presence | None = None
 
 
@@ -113,9 +117,10 @@ def install(app: Celery, tools: Iterable[str] = (), *, pool: str = "prefork",
 
     @signals.worker_ready.connect(weak=False)
     def _worker_ready(sender: Any = None, **_: Any) -> None:
-        global _renewer, _presence
-        _renewer = LeaseRenewer(app)
-        _renewer.start()
+        global _presence
+        _renewers[:] = [LeaseRenewer(app, "store"), LeaseRenewer(app, "redis")]
+        for renewer in _renewers:
+            renewer.start()
         settings = runtime(app).settings
         _presence = Presence(redis_client(settings, socket_timeout=5, socket_connect_timeout=5),
                              str(getattr(sender, "hostname", "?")), served, pool, concurrency,
@@ -137,8 +142,8 @@ def install(app: Celery, tools: Iterable[str] = (), *, pool: str = "prefork",
 
     @signals.worker_shutdown.connect(weak=False)
     def _worker_shutdown(**_: Any) -> None:
-        if _renewer is not None:
-            _renewer.stopped.set()
+        for renewer in _renewers:
+            renewer.stopped.set()
         if _presence is not None:
             _presence.stopped.set()
         webhooks.stop()
