@@ -26,9 +26,13 @@ assert example_tools.refund_payment.name == "refund_payment"
 SLACK = 3.0
 
 
+def _moves(client: DexClient, key: str, source: CallStatus, to: CallStatus) -> list[float]:
+    return [e.created_at for e in client.store.events_for_call(key)
+            if e.from_status == source.value and e.to_status == to.value]
+
+
 def _moved_at(client: DexClient, key: str, source: CallStatus, to: CallStatus) -> float:
-    return next(e.created_at for e in client.store.events_for_call(key)
-                if e.from_status == source.value and e.to_status == to.value)
+    return _moves(client, key, source, to)[0]
 
 
 def _running(client: DexClient, records: list[ToolCallRecord]) -> list[str]:
@@ -78,8 +82,11 @@ def test_hung_tools_in_every_slot_delay_no_deadline_and_no_reaping(
                             CallStatus.REJECTED)
     assert deadline <= rejected_at < deadline + SLACK
     # ...and reaps the vanished worker's call within a few seconds of its lease ending
-    wait_until(lambda: client.get_tool_call(lost.key).status is CallStatus.QUEUED, 10 * SLACK,
-               "the lost call to be reaped")
+    # (Waited for on the reap's own event: the reaper takes the run from Redis a moment before
+    # it records the lost attempt in the store, and the call reads queued in between.)
+    wait_until(lambda: _moves(client, lost.key, CallStatus.RUNNING, CallStatus.QUEUED),
+               10 * SLACK, "the lost call to be reaped")
+    assert client.get_tool_call(lost.key).status is CallStatus.QUEUED
     reaped_at = _moved_at(client, lost.key, CallStatus.RUNNING, CallStatus.QUEUED)
     assert lease_end <= reaped_at < lease_end + SLACK
     print(f"\nrejected {rejected_at - deadline:.2f}s after its deadline, reaped "
