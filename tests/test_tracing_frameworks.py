@@ -50,6 +50,16 @@ from tests.helpers import ROOT, wait_until
 from tests.otel import Receiver, Span, one, receiver, traced_agent
 
 
+def call_under(mine: list[Span], framework: Span, run: Span, key: str) -> Span:
+    """The ``call_tool`` span among ``mine``, checked to be the child of the framework's
+    ``framework`` span, in the trace of its ``run`` span, for the call ``key``."""
+    ours = one(mine, "call_tool lookup_order")
+    assert ours.parent_id == framework.span_id
+    assert ours.trace_id == framework.trace_id == run.trace_id
+    assert ours.attributes["dex.idempotency_key"] == key
+    return ours
+
+
 def assert_worker_joins(otlp: Receiver, ours: Span) -> None:
     """The worker's spans of the call (exported to ``otlp``) are in ``ours``' trace, its
     delivery under ``ours``."""
@@ -91,10 +101,7 @@ def test_pydantic_ais_tool_span_is_the_parent(client: DexClient,
         # Then call_tool's parent is Pydantic AI's own tool span, in its agent run's trace
         framework = one(mine, "execute_tool lookup_order", **{"gen_ai.tool.call.id": "call-1"})
         run = one(mine, "invoke_agent agent")
-        ours = one(mine, "call_tool lookup_order")
-        assert ours.parent_id == framework.span_id
-        assert ours.trace_id == framework.trace_id == run.trace_id
-        assert ours.attributes["dex.idempotency_key"] == call.key
+        ours = call_under(mine, framework, run, call.key)
 
         # And the worker's run of the tool is in that trace, under call_tool
         assert_worker_joins(otlp, ours)
@@ -141,10 +148,7 @@ def test_the_openai_agents_sdks_tool_span_is_the_parent(client: DexClient,
         # Then call_tool's parent is the SDK's function span, in its agent's trace
         framework = one(mine, "lookup_order", **{"openinference.span.kind": "TOOL"})
         run = one(mine, "support", **{"openinference.span.kind": "AGENT"})
-        ours = one(mine, "call_tool lookup_order")
-        assert ours.parent_id == framework.span_id
-        assert ours.trace_id == framework.trace_id == run.trace_id
-        assert ours.attributes["dex.idempotency_key"] == call.key == "oa-traced/t1/call-1"
+        ours = call_under(mine, framework, run, call.key)
 
         # And the worker's run of the tool is in that trace, under call_tool
         assert_worker_joins(otlp, ours)
@@ -175,10 +179,7 @@ def test_langchains_tool_span_is_the_parent(client: DexClient, start_worker: Sta
         # Then call_tool's parent is LangChain's tool run, in the graph's trace
         framework = one(mine, "execute_tool lookup_order", **{"traceloop.span.kind": "tool"})
         run = one(mine, "invoke_agent LangGraph")
-        ours = one(mine, "call_tool lookup_order")
-        assert ours.parent_id == framework.span_id
-        assert ours.trace_id == framework.trace_id == run.trace_id
-        assert ours.attributes["dex.idempotency_key"] == call.key
+        ours = call_under(mine, framework, run, call.key)
 
         # And the worker's run of the tool is in that trace, under call_tool
         assert_worker_joins(otlp, ours)
