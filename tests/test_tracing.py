@@ -68,8 +68,10 @@ def test_a_call_is_one_trace_from_the_agent_span_to_the_tool_run(
 
     # And the worker's spans (another process) join that trace under call_tool
     def worker_spans() -> list[Span] | None:
+        # Until `process`: it ends after its children, so it is exported last (the batch
+        # processor may send `end` in one export and `process` in the next).
         spans = _of_trace(otlp.spans, trace_id)
-        return spans if any(s.name == "end lookup_order" for s in spans) else None
+        return spans if any(s.name == "process lookup_order" for s in spans) else None
 
     theirs = wait_until(worker_spans, 30, "the worker's spans")
     assert {s.service for s in theirs} == {"dex-tasks-worker"}
@@ -126,7 +128,7 @@ def test_an_approval_decided_later_by_the_api_joins_the_agents_trace(
             spans = _of_trace(otlp.spans, trace_id)
             names = {s.name for s in spans}
             return spans if {"decide_approval refund_payment",
-                             "end refund_payment"} <= names else None
+                             "process refund_payment"} <= names else None
 
         theirs = wait_until(all_spans, 30, "the API's and the worker's spans")
     # docs/images/trace-approval.png is rendered from these (python -m bench.waterfall)
@@ -216,11 +218,12 @@ def test_a_retry_is_another_delivery_in_the_same_trace(
 
     # Then both deliveries are under call_tool: the first ends queued (a retry), the second
     # succeeds, each with its own attempt
-    def two_ends() -> list[Span] | None:
+    def two_deliveries() -> list[Span] | None:
+        # `process` is each delivery's last span to end, so its last exported
         spans = _of_trace(otlp.spans, trace_id)
-        return spans if sum(s.name == "end flaky_lookup" for s in spans) == 2 else None
+        return spans if sum(s.name == "process flaky_lookup" for s in spans) == 2 else None
 
-    spans = wait_until(two_ends, 30, "both deliveries' spans")
+    spans = wait_until(two_deliveries, 30, "both deliveries' spans")
     runs = sorted((s for s in spans if s.name == "execute_tool flaky_lookup"),
                   key=lambda s: s.start)
     assert [r.attributes["dex.attempt"] for r in runs] == [1, 2]
