@@ -79,7 +79,7 @@ class SessionMethods:
         record = notify.ended_record(watch.message, self._signer or None, key)
         if record is None:
             return None
-        handed = ToolCallRecord.from_row(ToolCallRow.model_validate(record))
+        handed = ToolCallRecord.from_mapping(record)
         return handed if handed.terminal else None
 
     def _stop_watching(self) -> None:

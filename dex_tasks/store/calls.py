@@ -31,7 +31,7 @@ from dex_tasks.policy import EffectClass
 from dex_tasks.states import CallStatus
 from dex_tasks.store import driver, webhooks
 from dex_tasks.store.base import StoreBase
-from dex_tasks.store.models import CallEventRow, CatalogRow, ToolCallRow
+from dex_tasks.store.models import CallEventRow, CatalogRow, ToolCallRow, stored_call
 from dex_tasks.store.tables import (
     CALLS,
     CATALOG,
@@ -257,14 +257,14 @@ class Calls(StoreBase):
         if not keys:
             return {}
         rows = self._fetch(select(CALLS).where(CALLS.c.key.in_(list(keys))))
-        return {r["key"]: ToolCallRow.model_validate(r) for r in rows}
+        return {r["key"]: stored_call(r) for r in rows}
 
     def get_call(self, key: str) -> ToolCallRow | None:
         """The stored call, or None. Retried across a lost connection."""
         row = self._retrying(
             lambda conn, _: conn.execute(_GET_CALL, {"get_key": key}).mappings().first(),
             read=True, single=True)
-        return ToolCallRow.model_validate(dict(row)) if row else None
+        return stored_call(row) if row else None
 
     def get_call_columns(self, key: str) -> Mapping[str, Any] | None:
         """The stored call's columns as read, or None: ``get_call`` without building a
@@ -279,7 +279,7 @@ class Calls(StoreBase):
         """The session's calls, oldest first."""
         rows = self._fetch(select(CALLS).where(CALLS.c.session_id == session_id)
                            .order_by(CALLS.c.created_at, CALLS.c.key))
-        return [ToolCallRow.model_validate(r) for r in rows]
+        return [stored_call(r) for r in rows]
 
     def events(self, session_id: str, after: int = 0, limit: int = 1000) -> list[CallEventRow]:
         """The session's events with ``id > after``, in order."""
