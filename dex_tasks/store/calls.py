@@ -264,7 +264,7 @@ class Calls(StoreBase):
         row = self._retrying(
             lambda conn, _: conn.execute(_GET_CALL, {"get_key": key}).mappings().first(),
             read=True, single=True)
-        return stored_call(row) if row else None
+        return stored_call(dict(row)) if row else None
 
     def get_call_columns(self, key: str) -> Mapping[str, Any] | None:
         """The stored call's columns as read, or None: ``get_call`` without building a

@@ -75,7 +75,7 @@ def _turn_view(conn: Connection, row: Mapping[str, Any], **flags: bool) -> Turn:
     transaction (so the three statements see one state of the store)."""
     params = {"t_session": row["session_id"], "t_turn": row["turn_id"]}
     messages = conn.execute(_TURN_MESSAGES, params).mappings().all()
-    calls = {c["tool_call_id"]: ToolCallRecord.from_mapping(c)
+    calls = {c["tool_call_id"]: ToolCallRecord.from_mapping(dict(c))
              for c in conn.execute(_TURN_CALLS, params).mappings()}
     steps: list[TurnStep] = []
     answer: str | None = None
