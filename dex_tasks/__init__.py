@@ -9,8 +9,9 @@ imports Celery's app or SQLAlchemy.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from dex_tasks.lazy import module_attributes
 
 if TYPE_CHECKING:
     from dex_tasks.agent.approvals import (
@@ -210,14 +211,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dex_tasks' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # the next lookup is an ordinary attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = module_attributes(__name__, globals(), _LAZY)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 
@@ -67,6 +67,28 @@ class Deferred:
                 if self._namespace.get(name) is self._stand_ins[name]:
                     self._namespace[name] = value
             self._loaded = True
+
+
+def module_attributes(
+    module_name: str, namespace: MutableMapping[str, Any], defined_in: Mapping[str, str],
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A module's PEP 562 ``__getattr__`` and ``__dir__`` for the names ``defined_in`` maps to
+    the modules they come from: the first lookup of one imports its module and binds the name
+    in ``namespace`` (the module's ``globals()``), so the next is an ordinary attribute. The
+    package root's public names and ``agent.hints``' annotation names are looked up so."""
+
+    def __getattr__(name: str) -> Any:
+        module = defined_in.get(name)
+        if module is None:
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(defined_in))
+
+    return __getattr__, __dir__
 
 
 def _attribute(module: str, name: str) -> Any:

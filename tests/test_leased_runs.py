@@ -70,3 +70,34 @@ def test_a_running_read_is_queued_in_the_store_and_shown_running_from_its_lease(
     # (dropped just after the ending's commit)
     wait_until(lambda: Runs(r).get(key) is None and r.zscore(RUNS_KEY, key) is None
                and Runs(r).attempts(key) == 0, 10, "the lease and the count to be dropped")
+
+
+def test_wait_reads_the_store_and_only_its_timeout_shows_the_lease(
+    client: DexClient, start_worker: StartWorker, redis_url: str, ledger_path: Path
+) -> None:
+    # Given a read whose first attempt runs for a few seconds (queued in the store, running
+    # in Redis)
+    start_worker(concurrency=1, tools=TOOLS)
+    key = client.call_tool(session_id="w", turn_id="t", tool_call_id="c",
+                           tool="stall_first_attempt", arguments={"order_id": "2", "sleep": 3},
+                           ).key
+    wait_until(lambda: len(ledger.read(ledger_path)) == 1, 30, "the tool to start")
+    r = redis.Redis.from_url(redis_url)
+
+    def run_reads() -> int:  # Runs.get_many's HMGET of a run hash, the overlay's one read
+        return int(r.info("commandstats").get("cmdstat_hmget", {}).get("calls", 0))
+
+    # When a waiter that reads every 0.1 s gives up on it before it ends
+    waiter = DexClient(client.settings.model_copy(update={"wait_poll_seconds": 0.1}))
+    before = run_reads()
+    try:
+        with pytest.raises(TimeoutError, match="is still running after"):
+            waiter.wait(key, timeout=1.0)
+    finally:
+        waiter.close()
+
+    # Then it read Redis's runs once, for its timeout's answer (which shows the lease), and
+    # the store for everything else
+    assert run_reads() == before + 1
+    # And a waiter that stays gets the ending
+    assert client.wait(key, 30).status is CallStatus.SUCCEEDED

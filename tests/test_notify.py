@@ -34,6 +34,7 @@ from dex_tasks.broker.notify import (
     message_status,
     redis_connector,
 )
+from dex_tasks.broker.runs import RUNS_KEY, Runs
 from dex_tasks.store import EndedCall, Store
 from dex_tasks.worker.execution import Runtime
 from dex_tasks.worker.sweeps import run_job
@@ -108,13 +109,13 @@ def _wait_in_thread(client: DexClient, key: str) -> tuple[threading.Thread, dict
 def _count_reads(client: DexClient, monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """Record when ``client`` reads a call's record (what ``wait`` does on each wake-up)."""
     reads: list[float] = []
-    read = client.get_tool_call
+    read = client._stored_call  # wait's read of the store
 
     def counted(key: str) -> Any:
         reads.append(time.monotonic())
         return read(key)
 
-    monkeypatch.setattr(client, "get_tool_call", counted)
+    monkeypatch.setattr(client, "_stored_call", counted)
     return reads
 
 
@@ -170,7 +171,7 @@ def test_a_call_that_ends_before_the_subscription_is_still_seen(
     record = client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1",
                               tool="lookup_order", arguments={"order_id": "1001"})
     silent = Store(settings.database_url)
-    first_read = client.get_tool_call
+    first_read = client._stored_call  # the waiter's read of the store
 
     def read_then_end(key: str) -> Any:
         found = first_read(key)
@@ -179,7 +180,7 @@ def test_a_call_that_ends_before_the_subscription_is_still_seen(
             assert silent.transition(key, CallStatus.SUCCEEDED, values={"result": "1"})
         return found
 
-    monkeypatch.setattr(client, "get_tool_call", read_then_end)
+    monkeypatch.setattr(client, "_stored_call", read_then_end)
     try:
         started = time.monotonic()
         final = client.wait(record.key, timeout=NO_POLL / 2)
@@ -472,4 +473,54 @@ def test_an_error_inside_the_script_does_not_stop_scripting(
         assert notifier.client.get(ENDED_KEY) == b"not a hash"
         assert notifier.scripted
     finally:
+        notifier.close()
+
+
+def _commands(client: redis.Redis, name: str) -> int:
+    """How many ``name`` commands this Redis has run (``INFO commandstats``)."""
+    return int(client.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0))
+
+
+@pytest.mark.parametrize("scripted", [True, False], ids=["script", "pipeline"])
+def test_an_ended_retrying_calls_run_ends_with_its_announcement(redis_url: str,
+                                                                 scripted: bool) -> None:
+    # Given three retrying calls running in Redis (broker/runs.py): one whose ending names the
+    # worker that holds its run, one whose run another worker holds (a later attempt), and
+    # one whose ending names no worker
+    notifier = EndedNotifier(redis_url, redis_connector(redis_url), scripted=scripted)
+    runs = Runs(notifier.client)
+    now = time.time()
+    base = f"fold-{scripted}-{now}"
+    keys = {name: f"{base}/{name}" for name in ("own", "other", "none")}
+    holders = {"own": "node:1", "other": "node:2", "none": "node:1"}
+    for name, key in keys.items():
+        assert runs.start(key, holders[name], stored_attempts=0, max_attempts=3,
+                          lease_seconds=30, started=now, ttl=600)[0] == 1
+    named = {"own": "node:1", "other": "node:1", "none": None}
+    ended = [EndedCall(key, base, "lookup_order", "read", CallStatus.SUCCEEDED, now, now,
+                       record=None if named[name] is None else {"worker": named[name]})
+             for name, key in keys.items()]
+    evalsha = _commands(notifier.client, "evalsha")
+    try:
+        # When their endings are announced
+        notifier(ended)
+
+        # Then, with the script, in that one command, the ended attempt's run is dropped
+        # (hash, lease and count), as Runs.release does; the other worker's run is left to it
+        # (and to the reaper, should it be lost) and only the counts go. Without scripts the
+        # counts go and the runs lapse with their leases.
+        assert runs.attempts(keys["own"]) == 0
+        assert runs.attempts(keys["other"]) == runs.attempts(keys["none"]) == 0
+        assert runs.get(keys["other"]) is not None and runs.get(keys["none"]) is not None
+        if scripted:
+            assert _commands(notifier.client, "evalsha") == evalsha + 1
+            assert runs.get(keys["own"]) is None
+            assert notifier.client.zscore(RUNS_KEY, keys["own"]) is None
+            assert notifier.client.zscore(RUNS_KEY, keys["other"]) is not None
+        else:
+            assert runs.get(keys["own"]) is not None
+    finally:
+        for key in keys.values():
+            runs.release(key, "node:1", ended=True)
+            runs.release(key, "node:2", ended=True)
         notifier.close()

@@ -111,7 +111,8 @@ class AsyncDexClient:
         """
         loop = asyncio.get_running_loop()
         pauses = WaitPauses(key, timeout, self.settings.wait_poll_seconds)
-        record = await self.get_tool_call(key)
+        # The store alone, as DexClient.wait reads it (the timeout's answer shows a run).
+        record = await asyncio.to_thread(self.sync._stored_call, key)
         if record.terminal:
             return record
         woken = asyncio.Event()
@@ -121,7 +122,9 @@ class AsyncDexClient:
 
         with self.sync.watcher.watch(key, on_wake=wake) as watch:
             while True:
-                pause = pauses.next(record, watch.live)
+                pause = pauses.next(watch.live)
+                if pause is None:
+                    return pauses.timed_out(await self.get_tool_call(key))
                 try:
                     await asyncio.wait_for(woken.wait(), pause)
                 except TimeoutError:
@@ -130,6 +133,6 @@ class AsyncDexClient:
                 handed = self.sync._handed(watch, key)
                 if handed is not None:
                     return handed
-                record = await self.get_tool_call(key)
+                record = await asyncio.to_thread(self.sync._stored_call, key)
                 if record.terminal:
                     return record

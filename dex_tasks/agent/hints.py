@@ -12,8 +12,9 @@ nothing.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from dex_tasks.lazy import module_attributes
 
 if TYPE_CHECKING:
     from celery import Celery as Celery
@@ -44,14 +45,4 @@ _DEFINED_IN: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _DEFINED_IN.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # the next lookup is an ordinary attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_DEFINED_IN))
+__getattr__, __dir__ = module_attributes(__name__, globals(), _DEFINED_IN)

@@ -79,7 +79,7 @@ class SessionMethods:
         record = notify.ended_record(watch.message, self._signer or None, key)
         if record is None:
             return None
-        handed = ToolCallRecord.from_row(ToolCallRow.model_validate(record))
+        handed = ToolCallRecord.from_mapping(record)
         return handed if handed.terminal else None
 
     def _stop_watching(self) -> None:
@@ -114,16 +114,21 @@ class SessionMethods:
         be reached it is read every 5 ms, doubling up to 200 ms.
         """
         pauses = WaitPauses(key, timeout, self.settings.wait_poll_seconds)
-        record = self.get_tool_call(key)
+        # The store alone: a waiter waits for the end, and only its timeout's answer needs
+        # a running attempt shown as running (Redis, ``get_tool_call``).
+        record = self._stored_call(key)
         if record.terminal:
             return record
         with self.watcher.watch(key) as watch:
             while True:
-                watch.wait(pauses.next(record, watch.live))
+                pause = pauses.next(watch.live)
+                if pause is None:
+                    return pauses.timed_out(self.get_tool_call(key))
+                watch.wait(pause)
                 handed = self._handed(watch, key)
                 if handed is not None:
                     return handed
-                record = self.get_tool_call(key)
+                record = self._stored_call(key)
                 if record.terminal:
                     return record
 
@@ -255,14 +260,21 @@ class WaitPauses:
         self.deadline = time.monotonic() + timeout
         self.fast = FAST_POLL_FIRST
 
-    def next(self, record: hints.ToolCallRecord, live: bool) -> float:
-        """The next pause; ``TimeoutError`` (naming the call's status) once time is up."""
+    def next(self, live: bool) -> float | None:
+        """The next pause, or None once time is up."""
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
-            raise TimeoutError(
-                f"call {self.key!r} is still {record.status.value} after {self.timeout}s")
+            return None
         if live:
             pause, self.fast = self.poll_seconds, FAST_POLL_FIRST
         else:
             pause, self.fast = self.fast, min(self.fast * 2, FAST_POLL_MAX)
         return min(pause, remaining)
+
+    def timed_out(self, record: hints.ToolCallRecord) -> hints.ToolCallRecord:
+        """``record``, read as time ran out, if it ended just then; else ``TimeoutError``
+        naming the status it shows (``running`` for an attempt running now)."""
+        if record.terminal:
+            return record
+        raise TimeoutError(f"call {self.key!r} is still {record.status.value} after "
+                           f"{self.timeout}s")

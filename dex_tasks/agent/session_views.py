@@ -21,7 +21,7 @@ from dex_tasks.errors import InvalidArgumentError
 from dex_tasks.policy import EffectClass
 from dex_tasks.states import TERMINAL, CallStatus
 from dex_tasks.store import APPROVALS, CALLS, INTERRUPTS, MESSAGES, Store
-from dex_tasks.store.models import InterruptRow, ToolCallRow
+from dex_tasks.store.models import InterruptRow
 from dex_tasks.store.records import (
     AgentSnapshot,
     Decision,
@@ -185,7 +185,7 @@ def session_snapshot(store: Store, session_id: str, now: float | None = None,
     calls, pending, decided, messages, approvers = store.reading(read)
     return AgentSnapshot(
         session_id=session_id,
-        tool_calls=_shown(runs, [ToolCallRecord.from_row(ToolCallRow.model_validate(dict(c)))
+        tool_calls=_shown(runs, [ToolCallRecord.from_mapping(c)
                                  for c in calls]),
         messages=messages,
         pending_interrupts=[_pending(i, i, approvers) for i in pending],

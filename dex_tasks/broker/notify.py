@@ -47,6 +47,7 @@ from redis.retry import Retry
 
 from dex_tasks.broker.metrics import ENDED_KEY, count_ended, ended_counts
 from dex_tasks.broker.routing import CLAIM_KEY
+from dex_tasks.broker.runs import RUNS_KEY, attempts_key, run_key
 from dex_tasks.policy import RETRYING_EFFECTS
 
 if TYPE_CHECKING:
@@ -72,11 +73,24 @@ SCRIPT_MAX_CALLS = 32
 sweep's) goes as a pipeline, so that no single script holds Redis for long."""
 
 ANNOUNCE_SCRIPT = """
-for k = 2, #KEYS do
+local c = tonumber(ARGV[2])
+for k = 3, c + 2 do
   redis.call('EXPIRE', KEYS[k], ARGV[1])
 end
-local n = tonumber(ARGV[2])
-local i = 3
+local r = tonumber(ARGV[3])
+local i = 4
+local k = c + 3
+for _ = 1, r do
+  redis.call('DEL', KEYS[k + 1])
+  if ARGV[i] ~= '' and redis.call('HGET', KEYS[k], 'worker') == ARGV[i] then
+    redis.call('DEL', KEYS[k])
+    redis.call('ZREM', KEYS[2], ARGV[i + 1])
+  end
+  i = i + 2
+  k = k + 2
+end
+local n = tonumber(ARGV[i])
+i = i + 1
 for _ = 1, n do
   redis.call('PUBLISH', ARGV[i], ARGV[i + 1])
   i = i + 2
@@ -92,14 +106,23 @@ while i < #ARGV do
   i = i + 2
 end
 """
-"""What a notifier runs for a few ended calls, in one command: ``EXPIRE`` of the claims of the
-ended single-attempt calls (``KEYS[2:]``) to ``ARGV[1]`` seconds, ``PUBLISH`` of each call's
-status on its channel, then the ``HINCRBY`` and ``HINCRBYFLOAT`` counter updates of
-``metrics.ended_counts`` on ``KEYS[1]`` (:data:`metrics.ENDED_KEY`). ``ARGV`` after the TTL:
-the number of publishes and their (channel, status) pairs, the number of ``HINCRBY`` and their
-(field, amount) pairs, then (field, seconds) pairs. The same commands as the pipeline, for
-about half the client's CPU: a worker child announces every call it ends, and redis-py spends
-about as much CPU on each command of a pipeline as on the round trip of the whole."""
+"""What a notifier runs for a few ended calls, in one command.
+
+* ``EXPIRE`` of the claims of the ended single-attempt calls to ``ARGV[1]`` seconds
+  (``ARGV[2]`` of them: ``KEYS[3:]``);
+* the end of each ended retrying call's run (``ARGV[3]`` of them; ``broker/runs.py``): its
+  attempt count deleted, and its run dropped from the run hash and ``dex:runs``
+  (``KEYS[2]``) if the worker that ended it (its ``(owner, key)`` pair in ``ARGV``) still
+  holds it, which is what ``Runs.release(..., ended=True)`` does, in the same round trip;
+* ``PUBLISH`` of each call's status on its channel (a count, then (channel, message) pairs);
+* the ``HINCRBY`` (a count, then (field, amount) pairs) and ``HINCRBYFLOAT`` ((field,
+  seconds) pairs) counter updates of ``metrics.ended_counts`` on ``KEYS[1]``
+  (:data:`metrics.ENDED_KEY`).
+
+The same commands as the pipeline, for about half the client's CPU: a worker child announces
+every call it ends, and redis-py spends about as much CPU on each command of a pipeline as on
+the round trip of the whole. Folding the run's release in saves a worker child a third Redis
+round trip per retrying call (start, end; the end was two: announce, release)."""
 
 ANNOUNCE_SHA = hashlib.sha1(ANNOUNCE_SCRIPT.encode()).hexdigest()
 """The SHA1 ``EVALSHA`` names :data:`ANNOUNCE_SCRIPT` by."""
@@ -179,6 +202,14 @@ def ended_claims(ended: Sequence[EndedCall]) -> list[str]:
     return [CLAIM_KEY + call.key for call in ended if call.effect not in RETRYING_EFFECTS]
 
 
+def ended_runs(ended: Sequence[EndedCall]) -> list[tuple[str, str]]:
+    """``(key, owner)`` of the retrying calls among ``ended``, whose run in Redis ends with
+    them (``broker/runs.py``): ``owner`` is the worker the ended row names (the attempt that
+    ended it), or "" when it names none, which drops only the attempt count."""
+    return [(call.key, str((call.record or {}).get("worker") or ""))
+            for call in ended if call.effect in RETRYING_EFFECTS]
+
+
 # -- sending ------------------------------------------------------------------------------------
 
 
@@ -252,8 +283,14 @@ class EndedNotifier:
         if Redis refused the script or it stopped on an error, and the pipeline is to be sent
         instead. Connection errors propagate, as the pipeline's do."""
         counts, totals = ended_counts(ended)
-        keys = [ENDED_KEY, *ended_claims(ended)]
-        args: list[str | int | float] = [self.claim_ended_ttl, len(ended)]
+        claims = ended_claims(ended)
+        ran = ended_runs(ended)
+        keys = [ENDED_KEY, RUNS_KEY, *claims]
+        args: list[str | int | float] = [self.claim_ended_ttl, len(claims), len(ran)]
+        for key, owner in ran:
+            keys += (run_key(key), attempts_key(key))
+            args += (owner, key)
+        args.append(len(ended))
         for call in ended:
             args += (ended_channel(call.key), ended_message(call, self.signer))
         args.append(len(counts))
@@ -292,6 +329,11 @@ class EndedNotifier:
         pipe = self.client.pipeline(transaction=False)
         for key in ended_claims(ended):
             pipe.expire(key, self.claim_ended_ttl)
+        # Without scripts a run cannot be dropped only if its owner still holds it: the
+        # attempt counts go, and the runs lapse with their leases (the reaper then finds
+        # their calls ended and drops them).
+        for key, _ in ended_runs(ended):
+            pipe.delete(attempts_key(key))
         for call in ended:
             pipe.publish(ended_channel(call.key), ended_message(call, self.signer))
         count_ended(pipe, ended)

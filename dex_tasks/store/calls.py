@@ -31,7 +31,7 @@ from dex_tasks.policy import EffectClass
 from dex_tasks.states import CallStatus
 from dex_tasks.store import driver, webhooks
 from dex_tasks.store.base import StoreBase
-from dex_tasks.store.models import CallEventRow, CatalogRow, ToolCallRow
+from dex_tasks.store.models import CallEventRow, CatalogRow, ToolCallRow, stored_call
 from dex_tasks.store.tables import (
     CALLS,
     CATALOG,
@@ -44,6 +44,15 @@ from dex_tasks.store.tables import (
 )
 
 _GET_CALL = select(CALLS).where(CALLS.c.key == bindparam("get_key"))
+
+
+def _read_call(conn: Connection, key: str) -> dict[str, Any] | None:
+    """The columns of call ``key``, or None: on SQLite prepared on the DB-API connection
+    (``driver.py``: a worker reads each call before its attempt, a waiter on each wake-up)."""
+    rows = driver.run(conn, _GET_CALL, {"get_key": key})
+    return dict(rows[0]._mapping) if rows else None
+
+
 # The tombstone of one key (see ``_refuse_pruned``), a statement built once.
 _PRUNED_KEY = select(EVENTS.c.key).where(EVENTS.c.key == bindparam("pruned_key"),
                                          EVENTS.c.event == PRUNED_EVENT)
@@ -257,29 +266,24 @@ class Calls(StoreBase):
         if not keys:
             return {}
         rows = self._fetch(select(CALLS).where(CALLS.c.key.in_(list(keys))))
-        return {r["key"]: ToolCallRow.model_validate(r) for r in rows}
+        return {r["key"]: stored_call(r) for r in rows}
 
     def get_call(self, key: str) -> ToolCallRow | None:
         """The stored call, or None. Retried across a lost connection."""
-        row = self._retrying(
-            lambda conn, _: conn.execute(_GET_CALL, {"get_key": key}).mappings().first(),
-            read=True, single=True)
-        return ToolCallRow.model_validate(dict(row)) if row else None
+        row = self._retrying(lambda conn, _: _read_call(conn, key), read=True, single=True)
+        return stored_call(row) if row else None
 
     def get_call_columns(self, key: str) -> Mapping[str, Any] | None:
         """The stored call's columns as read, or None: ``get_call`` without building a
         ``ToolCallRow`` (what a poll or a waiter's read needs; see
         ``ToolCallRecord.from_mapping``). Retried across a lost connection."""
-        row = self._retrying(
-            lambda conn, _: conn.execute(_GET_CALL, {"get_key": key}).mappings().first(),
-            read=True, single=True)
-        return dict(row) if row else None
+        return self._retrying(lambda conn, _: _read_call(conn, key), read=True, single=True)
 
     def calls_for_session(self, session_id: str) -> list[ToolCallRow]:
         """The session's calls, oldest first."""
         rows = self._fetch(select(CALLS).where(CALLS.c.session_id == session_id)
                            .order_by(CALLS.c.created_at, CALLS.c.key))
-        return [ToolCallRow.model_validate(r) for r in rows]
+        return [stored_call(r) for r in rows]
 
     def events(self, session_id: str, after: int = 0, limit: int = 1000) -> list[CallEventRow]:
         """The session's events with ``id > after``, in order."""

@@ -26,7 +26,6 @@ from sqlalchemy.engine import Connection
 from dex_tasks.errors import InvalidArgumentError, TurnConflictError
 from dex_tasks.states import MessageRole
 from dex_tasks.store.delivery import deliver_ready_messages, lock_session_messages
-from dex_tasks.store.models import ToolCallRow
 from dex_tasks.store.records import SessionMessage, ToolCallRecord, Turn, TurnStep
 from dex_tasks.store.sqljson import same_json
 from dex_tasks.store.tables import CALLS, MESSAGES, TURNS
@@ -76,7 +75,7 @@ def _turn_view(conn: Connection, row: Mapping[str, Any], **flags: bool) -> Turn:
     transaction (so the three statements see one state of the store)."""
     params = {"t_session": row["session_id"], "t_turn": row["turn_id"]}
     messages = conn.execute(_TURN_MESSAGES, params).mappings().all()
-    calls = {c["tool_call_id"]: ToolCallRecord.from_row(ToolCallRow.model_validate(dict(c)))
+    calls = {c["tool_call_id"]: ToolCallRecord.from_mapping(dict(c))
              for c in conn.execute(_TURN_CALLS, params).mappings()}
     steps: list[TurnStep] = []
     answer: str | None = None

@@ -241,10 +241,17 @@ def finish(rt: Runtime, key: str, attempt: Attempt | str, to: CallStatus,
     claim stored ``running``); True if this won."""
     if isinstance(attempt, str):
         attempt = Attempt(attempt, 0)
+    won = False
     try:
-        return _finish(rt, key, attempt, to, **values)
+        won = _finish(rt, key, attempt, to, **values)
+        return won
     finally:
-        if attempt.leased:
+        # A leased attempt's run ends in Redis once the store has its outcome. The run of an
+        # ending that won is dropped by the announcement of that ending, in the same round
+        # trip (``notify.ANNOUNCE_SCRIPT``, after the commit); if that announcement is lost
+        # (Redis unreachable) the run lapses with its lease, and the reaper finds its call
+        # ended. Anything else (a retry, an ending that lost or raised) is released here.
+        if attempt.leased and not (won and to.terminal):
             release_run(rt, key, attempt.owner, ended=to.terminal)
 
 
