@@ -26,15 +26,23 @@ def settings(redis_url: str, database_url: str) -> DexSettings:
     return fast_settings(redis_url, database_url)
 
 
+def _running_read(client: DexClient, start_worker: StartWorker, ledger_path: Path,
+                  session_id: str) -> str:
+    """A read on a worker of its own whose first attempt runs for three seconds, once its
+    tool has started: its key."""
+    start_worker(concurrency=1, tools=TOOLS)
+    key = client.call_tool(session_id=session_id, turn_id="t", tool_call_id="c",
+                           tool="stall_first_attempt",
+                           arguments={"order_id": session_id, "sleep": 3}).key
+    wait_until(lambda: len(ledger.read(ledger_path)) == 1, 30, "the tool to start")
+    return key
+
+
 def test_a_running_read_is_queued_in_the_store_and_shown_running_from_its_lease(
     client: DexClient, start_worker: StartWorker, redis_url: str, ledger_path: Path
 ) -> None:
     # Given a worker running a read whose first attempt takes a few seconds
-    start_worker(concurrency=1, tools=TOOLS)
-    key = client.call_tool(session_id="s", turn_id="t", tool_call_id="c",
-                           tool="stall_first_attempt", arguments={"order_id": "1", "sleep": 3},
-                           ).key
-    wait_until(lambda: len(ledger.read(ledger_path)) == 1, 30, "the tool to start")
+    key = _running_read(client, start_worker, ledger_path, "s")
 
     # Then while it runs the store still says queued, with only the request's event...
     stored = client.store.get_call(key)
@@ -77,11 +85,7 @@ def test_wait_reads_the_store_and_only_its_timeout_shows_the_lease(
 ) -> None:
     # Given a read whose first attempt runs for a few seconds (queued in the store, running
     # in Redis)
-    start_worker(concurrency=1, tools=TOOLS)
-    key = client.call_tool(session_id="w", turn_id="t", tool_call_id="c",
-                           tool="stall_first_attempt", arguments={"order_id": "2", "sleep": 3},
-                           ).key
-    wait_until(lambda: len(ledger.read(ledger_path)) == 1, 30, "the tool to start")
+    key = _running_read(client, start_worker, ledger_path, "w")
     r = redis.Redis.from_url(redis_url)
 
     def run_reads() -> int:  # Runs.get_many's HMGET of a run hash, the overlay's one read
