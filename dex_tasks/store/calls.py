@@ -181,7 +181,7 @@ class Calls(StoreBase):
         def attempt(conn: Connection, n: int) -> None:
             nonlocal inserted, tries
             tries = n
-            result = conn.execute(stmt, params).one()
+            (result,) = driver.run(conn, stmt, params)  # one row, whatever happened
             if result.pruned:
                 raise PrunedCallError(row["key"])
             inserted = bool(result.inserted)

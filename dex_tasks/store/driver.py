@@ -16,18 +16,20 @@ runs, so there is one definition of each. A ``sqlite3`` error is raised as SQLAl
 ``DBAPIError`` subclass for it, as ``Connection.execute`` would raise it, so the retries
 (``connections.retryable``) and the ``IntegrityError`` of a taken key behave as before.
 
-PostgreSQL runs its hot path as one statement each (``transitions.single_statement``) through
-SQLAlchemy, whose Python is small beside the server's round trip there; :func:`run` passes
-its statements to ``Connection.execute`` unchanged.
+PostgreSQL runs its hot path as one statement each (``transitions.single_statement``), and
+:func:`run` sends those on psycopg's connection the same way (:func:`_run_server`): there
+SQLAlchemy's execution cost a worker child more CPU than the rest of a call's Python, mostly
+in describing each whole-row result's columns (issue 29).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import sqlite3
 from collections import namedtuple
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy.engine import Connection, Dialect
@@ -50,7 +52,8 @@ class DriverRow:
 
 @dataclass(frozen=True)
 class Prepared:
-    """One Core statement compiled for SQLite: its text, how its parameters are bound and how
+    """One Core statement compiled once for a dialect (SQLite's, or a server's positional
+    copy: :func:`_positional`): its text, how its parameters are bound and how
     its returned rows are read."""
 
     sql: str
@@ -65,6 +68,11 @@ class Prepared:
     # (None: the statement returns nothing).
     results: tuple[tuple[int, Callable[[Any], Any]], ...]
     row: type | None
+    # On a server: the returned columns' types, whose result processors need the type code
+    # the server gives each column (a numeric's), and those processors once known.
+    types: tuple[Any, ...] = ()
+    resolved: list[tuple[tuple[int, Callable[[Any], Any]], ...]] = field(
+        default_factory=list, compare=False, hash=False)
 
     def values(self, params: Mapping[str, Any]) -> list[Any]:
         """The positional values of one execution; ``KeyError`` names a missing parameter."""
@@ -75,15 +83,18 @@ class Prepared:
                 values[i] = process(values[i])
         return values
 
-    def rows(self, fetched: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """The fetched tuples as rows of this statement's row type."""
+    def rows(self, fetched: Sequence[tuple[Any, ...]],
+             results: tuple[tuple[int, Callable[[Any], Any]], ...] | None = None) -> list[Any]:
+        """The fetched tuples as rows of this statement's row type (``results``: the result
+        processors, when not :attr:`results`)."""
         make = self.row._make  # type: ignore[union-attr]
-        if not self.results:
+        results = self.results if results is None else results
+        if not results:
             return [make(r) for r in fetched]
         rows = []
         for raw in fetched:
             values = list(raw)
-            for i, process in self.results:
+            for i, process in results:
                 values[i] = process(values[i])
             rows.append(make(values))
         return rows
@@ -113,22 +124,25 @@ def prepare(statement: Any, dialect: Dialect, column_keys: tuple[str, ...] | Non
             raise TypeError(f"the parameter {name!r} expands per execution")
         required = bind.required or name in (column_keys or ())
         fixed.append(_REQUIRED if required else defaults.get(name, bind.effective_value))
-        process = bind.type.bind_processor(dialect)
+        process = bind.type.dialect_impl(dialect).bind_processor(dialect)
         if process is not None:
             binds.append((i, process))
     results: list[tuple[int, Callable[[Any], Any]]] = []
     row: type | None = None
     returned = compiled.returning or (list(statement.selected_columns)
                                       if getattr(statement, "is_select", False) else None)
+    types: tuple[Any, ...] = ()
     if returned:
         labels = [column.key for column in returned]
-        for i, column in enumerate(returned):
-            process = column.type.result_processor(dialect, None)
-            if process is not None:
-                results.append((i, process))
+        types = tuple(column.type.dialect_impl(dialect) for column in returned)
+        if dialect.name == "sqlite":  # no type codes there; a server's: _server_results
+            for i, impl in enumerate(types):
+                process = impl.result_processor(dialect, None)
+                if process is not None:
+                    results.append((i, process))
         row = type("DriverRow", (DriverRow, namedtuple("Columns", labels)), {"__slots__": ()})
     return Prepared(compiled.string, tuple(compiled.positiontup), tuple(fixed), tuple(binds),
-                    tuple(results), row)
+                    tuple(results), row, types)
 
 
 def _cursor(conn: Connection) -> sqlite3.Cursor:
@@ -145,11 +159,11 @@ def _raised(conn: Connection, sql: str, err: sqlite3.Error) -> StatementError:
 
 def run(conn: Connection, statement: Any, params: Mapping[str, Any]) -> list[Any]:
     """Run ``statement`` with ``params`` on ``conn`` and return its rows (empty for a
-    statement that returns none): on SQLite prepared on the DB-API connection, elsewhere
-    through ``conn.execute``. An INSERT sets the columns ``params`` names."""
+    statement that returns none), compiled once and sent on the DB-API connection: SQLite's
+    ``sqlite3``, or PostgreSQL's psycopg (:func:`_run_server`). An INSERT sets the columns
+    ``params`` names."""
     if conn.dialect.name != "sqlite":
-        result = conn.execute(statement, dict(params))
-        return list(result) if result.returns_rows else []
+        return _run_server(conn, statement, params)
     prepared = prepare(statement, conn.dialect,
                        tuple(sorted(params)) if _is_insert(statement) else None)
     values = prepared.values(params)
@@ -162,6 +176,68 @@ def run(conn: Connection, statement: Any, params: Mapping[str, Any]) -> list[Any
     finally:
         cur.close()
     return prepared.rows(fetched) if fetched else []
+
+
+def _run_server(conn: Connection, statement: Any, params: Mapping[str, Any]) -> list[Any]:
+    """:func:`run` on a server's DB-API connection (psycopg).
+
+    Through ``Connection.execute`` each execution also builds an execution context and a
+    result, and psycopg describes every column of the result for it (``cursor.description``):
+    for a call's whole row, 27 column objects a statement, about 40% of a worker child's
+    CPU per call on PostgreSQL (issue 29). Here the statement is compiled once with ``%s``
+    placeholders (:func:`_positional`) and its tuples are read as :class:`DriverRow` s.
+    What ``Connection.execute`` does around the cursor is kept: the transaction is
+    SQLAlchemy's (psycopg begins it on the first statement, or runs in autocommit as the
+    connection was checked out), ``before_cursor_execute`` listeners see the statement, and
+    an error goes through SQLAlchemy's own handling (the ``handle_error`` hooks, the
+    connection invalidated when the server was lost), raised as ``Connection.execute``
+    raises it, so the store's retries behave as before. A statement that cannot be compiled
+    once (an IN list expanded per execution) runs through ``Connection.execute``."""
+    try:
+        prepared = prepare(statement, _positional(conn.dialect),
+                           tuple(sorted(params)) if _is_insert(statement) else None)
+    except TypeError:
+        result = conn.execute(statement, dict(params))
+        return list(result) if result.returns_rows else []
+    values = prepared.values(params)
+    cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    try:
+        conn.dispatch.before_cursor_execute(conn, cur, prepared.sql, values, None, False)
+        cur.execute(prepared.sql, values)
+        fetched = cur.fetchall() if prepared.row is not None else []
+        if fetched and not prepared.resolved:
+            prepared.resolved.append(_server_results(prepared, conn.dialect, cur))
+    except Exception as err:
+        # SQLAlchemy's handling of a DB-API error, as Connection.execute runs it: raises.
+        conn._handle_dbapi_exception(err, prepared.sql, values, cur, None)
+        raise
+    finally:
+        cur.close()
+    return prepared.rows(fetched, prepared.resolved[0]) if fetched else []
+
+
+def _server_results(prepared: Prepared, dialect: Dialect,
+                    cur: Any) -> tuple[tuple[int, Callable[[Any], Any]], ...]:
+    """The result processors of ``prepared``'s columns, from the type codes its first
+    result gave (what SQLAlchemy's execution reads from ``cursor.description`` each time)."""
+    found = []
+    for i, (impl, column) in enumerate(zip(prepared.types, cur.description, strict=True)):
+        process = impl.result_processor(dialect, column.type_code)
+        if process is not None:
+            found.append((i, process))
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=8)
+def _positional(dialect: Dialect) -> Dialect:
+    """``dialect`` compiling positional ``%s`` placeholders (``format``, which psycopg takes
+    as it takes ``pyformat``): :func:`prepare` binds values by position."""
+    if dialect.positional:
+        return dialect
+    positional = copy.copy(dialect)
+    positional.paramstyle = "format"
+    positional.positional = True
+    return positional
 
 
 def run_text(conn: Connection, sql: str) -> None:

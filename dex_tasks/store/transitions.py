@@ -368,7 +368,8 @@ class Transitions(StoreBase):
                  "ev_detail": json.dumps(dict(detail), default=str) if detail else None}
 
         def attempt(conn: Connection, n: int) -> Any | None:
-            row = conn.execute(stmt, bound).first()
+            rows = driver.run(conn, stmt, bound)
+            row = rows[0] if rows else None
             if row is not None:
                 if to.terminal:
                     note_ended(conn, key, to, row, now)
