@@ -208,7 +208,9 @@ def _run_server(conn: Connection, statement: Any, params: Mapping[str, Any]) -> 
         if fetched and not prepared.resolved:
             prepared.resolved.append(_server_results(prepared, conn.dialect, cur))
     except Exception as err:
-        # SQLAlchemy's handling of a DB-API error, as Connection.execute runs it: raises.
+        # SQLAlchemy's handling of a DB-API error, as Connection.execute runs it (raises):
+        # the one place it lives, private to SQLAlchemy; tests/test_store_outages.py loses
+        # the server under these statements, and fails if it moves.
         conn._handle_dbapi_exception(err, prepared.sql, values, cur, None)
         raise
     finally:
