@@ -248,11 +248,14 @@ def finish(rt: Runtime, key: str, attempt: Attempt | str, to: CallStatus,
     finally:
         # A leased attempt's run ends in Redis once the store has its outcome. The run of an
         # ending that won is dropped by the announcement of that ending, in the same round
-        # trip (``notify.ANNOUNCE_SCRIPT``, after the commit); if that announcement is lost
-        # (Redis unreachable) the run lapses with its lease, and the reaper finds its call
-        # ended. Anything else (a retry, an ending that lost or raised) is released here.
+        # trip (``notify.ANNOUNCE_SCRIPT``, after the commit), with the call's attempt count;
+        # if that announcement is lost (Redis unreachable) the run lapses with its lease, and
+        # the reaper finds its call ended. Anything else (a retry, an ending that lost or
+        # raised) only releases the run: the call has not ended, and its count must outlive
+        # this attempt, which ran, so that the next is numbered after it (an ending that lost
+        # to a reaper's record once dropped it, and the next delivery ran as the same number).
         if attempt.leased and not (won and to.terminal):
-            release_run(rt, key, attempt.owner, ended=to.terminal)
+            release_run(rt, key, attempt.owner, ended=False)
 
 
 def _finish(rt: Runtime, key: str, attempt: Attempt, to: CallStatus, **values: Any) -> bool:
