@@ -6,13 +6,11 @@ call's attempt count: the next attempt is numbered after it, so every run of the
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
-import redis
 
 import workers.example_tools  # noqa: F401 - registers lookup_order in this process
-from dex_tasks import CallStatus, DexClient
+from dex_tasks import CallStatus, DexSettings
 from dex_tasks.worker.claiming import claim_leased
 from dex_tasks.worker.endings import Attempt, finish
 from dex_tasks.worker.execution import Runtime
@@ -22,16 +20,12 @@ from tests.test_store import call_row
 
 
 @pytest.fixture
-def runtime(redis_url: str, database_url: str) -> Iterator[Runtime]:
-    with DexClient(fast_settings(redis_url, database_url)) as client:
-        rt = Runtime(settings=client.settings, store=client.store,
-                     redis=redis.Redis.from_url(redis_url), app=client.app)
-        yield rt
-        rt.redis.close()
+def settings(redis_url: str, database_url: str) -> DexSettings:
+    # Both stores: conftest's ``rt`` runtime is built on this client's settings.
+    return fast_settings(redis_url, database_url)
 
 
-def test_an_attempt_whose_ending_lost_still_counts(runtime: Runtime) -> None:
-    rt = runtime
+def test_an_attempt_whose_ending_lost_still_counts(rt: Runtime) -> None:
     key = f"s/t/stale-{time.time_ns()}"
     assert rt.store.insert_call(call_row(key, effect="read", tool="lookup_order",
                                          arguments='{"order_id":"1"}', max_attempts=5))
