@@ -149,7 +149,7 @@ def _schedule_retry(
         recorded = rt.store.record_attempt(
             call.key, stored=attempt.stored, attempt=attempt.number, owner=attempt.owner,
             started=attempt.started, detail=detail, published_at=due)
-        release_run(rt, call.key, attempt.owner, ended=False)
+        release_run(rt, call.key, attempt.owner)
     else:
         recorded = rt.store.transition(
             call.key, CallStatus.QUEUED, allowed={CallStatus.RUNNING},

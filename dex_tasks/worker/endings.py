@@ -63,11 +63,12 @@ class Attempt:
                 Started(self.started, {"attempt": self.number, "worker": self.owner}))
 
 
-def release_run(rt: Runtime, key: str, owner: str, *, ended: bool) -> None:
-    """Drop a leased attempt's run in Redis once the store has its outcome. Best effort: a
-    run left behind lapses with its lease, and the reaper then finds its call moved on."""
+def release_run(rt: Runtime, key: str, owner: str) -> None:
+    """Drop a leased attempt's run in Redis once the store has its outcome, keeping the call's
+    attempt count (an ended call's count goes with the announcement of its end). Best effort:
+    a run left behind lapses with its lease, and the reaper then finds its call moved on."""
     try:
-        rt.runs.release(key, owner, ended=ended)
+        rt.runs.release(key, owner)
     except redis.RedisError as err:
         log.warning("a running call's lease was not released; it lapses", extra={
             "action": "run_release_failed", "key": key, "error": str(err)[:200]})
@@ -255,7 +256,7 @@ def finish(rt: Runtime, key: str, attempt: Attempt | str, to: CallStatus,
         # this attempt, which ran, so that the next is numbered after it (an ending that lost
         # to a reaper's record once dropped it, and the next delivery ran as the same number).
         if attempt.leased and not (won and to.terminal):
-            release_run(rt, key, attempt.owner, ended=False)
+            release_run(rt, key, attempt.owner)
 
 
 def _finish(rt: Runtime, key: str, attempt: Attempt, to: CallStatus, **values: Any) -> bool:

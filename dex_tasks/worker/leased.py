@@ -80,7 +80,7 @@ def lost_run(rt: Runtime, call: ToolCallRow, owner: str, reason: str, *, republi
                 started=Started(started, {"attempt": attempts, "worker": run.worker}))
     finally:
         if not taken:
-            release_run(rt, call.key, run.worker, ended=False)
+            release_run(rt, call.key, run.worker)
     if not recorded:
         return None
     after_lost_attempt(rt, call, Move(call.key, to), republish=republish)
