@@ -16,8 +16,8 @@ import workers.example_tools  # noqa: F401 - registers the example tools in this
 from bench.sweep_scale import bulk_insert
 from dex_tasks import CallStatus, DexClient, DexSettings
 from dex_tasks.api import create_api
+from dex_tasks.broker.announce import install
 from dex_tasks.broker.metrics import open_calls_query, render_metrics
-from dex_tasks.broker.notify import install
 from dex_tasks.store import CALLS, Store
 from dex_tasks.tokens import issue_token
 from dex_tasks.worker.execution import Runtime

@@ -22,15 +22,12 @@ import redis
 
 import workers.example_tools  # noqa: F401 - registers the example tools in this process
 from dex_tasks import AsyncDexClient, CallStatus, DexClient, DexSettings, registry
+from dex_tasks.broker.announce import ANNOUNCE_SHA, SCRIPT_MAX_CALLS, EndedNotifier, install
 from dex_tasks.broker.metrics import ENDED_KEY
 from dex_tasks.broker.notify import (
-    ANNOUNCE_SHA,
     CHANNEL_PREFIX,
-    SCRIPT_MAX_CALLS,
     CallWatcher,
-    EndedNotifier,
     ended_channel,
-    install,
     message_status,
     redis_connector,
 )

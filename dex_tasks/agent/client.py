@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
     from dex_tasks.agent import turns
-    from dex_tasks.broker import notify, webhooks
+    from dex_tasks.broker import announce, webhooks
     from dex_tasks.broker.celery_app import create_app, publish, publish_many
     from dex_tasks.broker.preflight import refuse_if_refused
     from dex_tasks.broker.redis_clients import connector
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 else:
     _deferred = Deferred(globals())
     turns = _deferred("dex_tasks.agent", "turns")
-    notify, webhooks = _deferred("dex_tasks.broker", "notify", "webhooks")
+    announce, webhooks = _deferred("dex_tasks.broker", "announce", "webhooks")
     create_app, publish, publish_many = _deferred("dex_tasks.broker.celery_app", "create_app",
                                                   "publish", "publish_many")
     connector = _deferred("dex_tasks.broker.redis_clients", "connector")
@@ -118,7 +118,7 @@ class DexClient(SessionMethods):
             raise
         # Calls this client ends (a rejection, invalid arguments, a failed publish) wake their
         # waiters and are counted like the ones workers end.
-        self._notifier = notify.install(
+        self._notifier = announce.install(
             self.store, self.settings.redis_url, connector(self.settings),
             claim_ended_ttl=self.settings.claim_ended_ttl_seconds, secret=self._secret())
         webhooks.install(self.store, self.settings, lambda: self.app)

@@ -6,7 +6,7 @@ it would cost more with every call ever made (a whole-table scan took 2 s per sc
 calls). Instead:
 
 * every committed transaction that ends calls counts them, in the same Redis round trip that
-  wakes their waiters (``notify.EndedNotifier`` calls :func:`count_ended`): by tool, effect
+  wakes their waiters (``announce.EndedNotifier`` calls :func:`count_ended`): by tool, effect
   class and status, and into latency buckets (enqueue to terminal);
 * the gauges that must be current (calls awaiting approval, queued, running) come from one
   query over the open statuses only, through the ``(status, tool, effect)`` index, so its cost

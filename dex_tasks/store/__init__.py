@@ -22,7 +22,7 @@ timestamp), takes that as won, and writes no second event or tool message.
 
 Every call a committed transaction ended is then handed to the store's ``on_calls_ended``
 hooks, after the commit and never before: that is how waiters are woken and ended calls
-counted (``notify.py``), with no Redis import here. A hook that fails is logged; the
+counted (``broker/announce.py``), with no Redis import here. A hook that fails is logged; the
 transition it follows has committed and stays done.
 """
 

@@ -2,7 +2,7 @@
 
 :class:`StoreBase` is what every part of :class:`~dex_tasks.store.Store` builds on: a write
 transaction hands the calls it ended to the ``on_calls_ended`` hooks once it has committed
-(never before: that is how waiters are woken and ended calls counted, ``broker/notify.py``,
+(never before: that is how waiters are woken and ended calls counted, ``broker/announce.py``,
 with no Redis import here), and ``_retrying`` runs an operation again on a new connection
 while the error is one a retry can cure.
 """

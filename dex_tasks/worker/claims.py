@@ -4,7 +4,7 @@ A claim is ``SET dex:claim:<key> <owner> NX EX <ttl>``. It is not released while
 open: a key that ran is never run again. The store's compare-and-set stays the authority; the
 claim only keeps duplicate deliveries from reaching the store at all. So once the call has
 ended (its ended record refuses any later claim by itself), the notifier that announces the end
-cuts what is left of the claim's life to ``claim_ended_ttl_seconds`` (``broker/notify.py``):
+cuts what is left of the claim's life to ``claim_ended_ttl_seconds`` (``broker/announce.py``):
 Redis holds the claims of calls in flight and of the last minute's, not a month's (issue 30
 item 4). ``dex-tasks prune`` deletes the claims of the calls it deletes (:func:`forget`), for
 those whose end was never announced (Redis was down at the time).

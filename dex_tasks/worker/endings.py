@@ -249,7 +249,7 @@ def finish(rt: Runtime, key: str, attempt: Attempt | str, to: CallStatus,
     finally:
         # A leased attempt's run ends in Redis once the store has its outcome. The run of an
         # ending that won is dropped by the announcement of that ending, in the same round
-        # trip (``notify.ANNOUNCE_SCRIPT``, after the commit), with the call's attempt count;
+        # trip (``announce.ANNOUNCE_SCRIPT``, after the commit), with the call's attempt count;
         # if that announcement is lost (Redis unreachable) the run lapses with its lease, and
         # the reaper finds its call ended. Anything else (a retry, an ending that lost or
         # raised) only releases the run: the call has not ended, and its count must outlive

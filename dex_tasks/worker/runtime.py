@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import redis
 from celery import Celery
 
-from dex_tasks.broker import notify, webhooks
+from dex_tasks.broker import announce, webhooks
 from dex_tasks.broker.redis_clients import connector, redis_client
 from dex_tasks.broker.runs import Runs
 from dex_tasks.settings import DexSettings
@@ -39,9 +39,9 @@ class Runtime:
         # Signed with DEX_SECRET_KEY, the ended record travels with the announcement, and its
         # waiters need no read of the store.
         secret = self.settings.secret_key
-        notify.install(self.store, self.settings.redis_url, connector(self.settings),
-                       claim_ended_ttl=self.settings.claim_ended_ttl_seconds,
-                       secret=secret.get_secret_value() if secret is not None else None)
+        announce.install(self.store, self.settings.redis_url, connector(self.settings),
+                         claim_ended_ttl=self.settings.claim_ended_ttl_seconds,
+                         secret=secret.get_secret_value() if secret is not None else None)
         # Approval events it writes (the deadline sweeps) are sent as webhooks after commit.
         webhooks.install(self.store, self.settings, lambda: self.app)
 
