@@ -450,7 +450,7 @@ def test_a_call_costs_a_worker_two_writes_and_delivery_only_when_a_message_waits
     sent = send_user_message(store, "s2", "while the turn runs")
     assert sent is not None and sent.status == "queued"
     if store.is_sqlite:
-        store.engine.dispose()  # new connections, traced from their start
+        store.close()  # new connections (none held, none pooled), traced from their start
         event.listen(store.engine, "connect", trace_sqlite)
     else:
         event.listen(store.engine, "before_cursor_execute", seen)
@@ -464,7 +464,7 @@ def test_a_call_costs_a_worker_two_writes_and_delivery_only_when_a_message_waits
     finally:
         if store.is_sqlite:
             event.remove(store.engine, "connect", trace_sqlite)
-            store.engine.dispose()
+            store.close()
         else:
             event.remove(store.engine, "before_cursor_execute", seen)
             event.remove(store.engine, "commit", committed)
