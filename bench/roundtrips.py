@@ -61,6 +61,7 @@ class SqlCounter:
 
     def __init__(self, store: Store) -> None:
         self.counts: Counter[str] = Counter()
+        self.store = store
         self.engines: list[Engine] = [store.engine]
         if store.read_engine is not store.engine:
             self.engines.append(store.read_engine)
@@ -68,7 +69,7 @@ class SqlCounter:
         for engine in self.engines:
             self._listen(engine, "connect", lambda *_: self._add("connect"))
             if store.is_sqlite:
-                engine.dispose()  # pooled connections opened before would go untraced
+                store.close()  # connections opened before (held, pooled) would go untraced
                 self._listen(engine, "connect", self._trace)
             else:
                 self._listen(engine, "before_cursor_execute", self._statement)
@@ -102,7 +103,7 @@ class SqlCounter:
         for engine, name, fn in self._hooks:
             event.remove(engine, name, fn)
             if fn == self._trace:
-                engine.dispose()  # the traced connections
+                self.store.close()  # the traced connections
         self._hooks.clear()
 
 

@@ -388,7 +388,7 @@ def test_a_store_that_is_read_only_for_a_while_is_waited_for(postgres_required: 
                                  "RESET default_transaction_read_only")))
 
     read_only(True)
-    store.engine.dispose()  # (the sessions it holds were opened writable)
+    store.close()  # (the sessions it holds were opened writable)
     timer = threading.Timer(1.5, read_only, (False,))
     timer.start()
     try:

@@ -1,15 +1,18 @@
-"""The connection a SQLite store keeps between transactions (``connections.HeldConnection``).
+"""The connection a store keeps between transactions (``connections.HeldConnection``).
 
 Most transactions of a process come one after another on one thread (a worker child's read
 and ending, a producer's insert and ``wait``), so each takes the connection the last one left
 instead of checking one out of SQLAlchemy's pool. These tests hold it to what the pool gave:
 no transaction left open between uses (a read's snapshot would hide later writes, and a
 held write lock would stop every other process), a failed connection never reused, nothing
-shared across a fork, and none held past ``close``.
+shared across a fork, none held past ``close``; on PostgreSQL, a connection the server
+closed while it sat idle replaced before use (as the pool's ping does), and an old one
+recycled.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -18,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select, text
+from sqlalchemy import create_engine, event, select, text
 
 from dex_tasks.states import CallStatus
 from dex_tasks.store import CALLS, Store
+from dex_tasks.store.connections import HeldConnection
 
 
 @pytest.fixture
@@ -164,3 +168,49 @@ def test_close_returns_the_held_connections(tmp_path: Path) -> None:
     store.close()
     assert store.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
     assert store.read_engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+
+
+def test_a_held_server_connection_closed_while_idle_is_replaced_before_use(
+        postgres_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    # Given a client's store (it pings what sat idle) whose held connection the server closes
+    store = Store(postgres_url, ping_after_idle=0.0)
+    store.create_all()
+    admin = create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    try:
+        with store.read() as conn:
+            pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        with admin.connect() as conn:
+            conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        caplog.set_level(logging.WARNING, logger="dex_tasks.store")
+        # When the next read runs
+        with store.read() as conn:
+            now = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        # Then it ran on a new connection at the first try: no statement failed and was
+        # retried (the pool's own ping would have done the same for a pooled one)
+        assert now != pid
+        assert not [r for r in caplog.records if getattr(r, "action", "") == "store_retry"]
+    finally:
+        store.close()
+        admin.dispose()
+
+
+def test_a_held_connection_past_its_age_goes_back_to_be_recycled(postgres_url: str) -> None:
+    engine = create_engine(postgres_url)
+    checkouts: list[int] = []
+    event.listen(engine, "checkout", lambda *_: checkouts.append(1))
+    try:
+        aging, lasting = HeldConnection(engine, max_age=0.0), HeldConnection(engine)
+        # When each runs three reads
+        for held in (aging, lasting):
+            checkouts.clear()
+            for _ in range(3):
+                with held.connect() as conn:
+                    conn.execute(text("SELECT 1"))
+            # Then the one past its age went back through the pool (which recycles what is
+            # older than pool_recycle) every time, and the other one only the first time
+            assert len(checkouts) == (3 if held is aging else 1)
+        aging.close()
+        lasting.close()
+        assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    finally:
+        engine.dispose()

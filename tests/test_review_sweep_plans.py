@@ -108,5 +108,4 @@ def test_expire_unserved_reads_only_the_unserved_tools_calls(
                 assert conds and all("tool" in line for line in conds), plan
     finally:
         client.close()
-        store.engine.dispose()
-        store.read_engine.dispose()
+        store.close()

@@ -33,8 +33,7 @@ def store(database_url: str) -> Iterator[Store]:
     s = Store(database_url)
     s.create_all()
     yield s
-    s.engine.dispose()
-    s.read_engine.dispose()
+    s.close()
 
 
 def call_row(key: str, status: CallStatus = CallStatus.QUEUED, **over: Any) -> dict[str, Any]:
@@ -166,7 +165,7 @@ def _process_contender(url: str, keys: list[str], name: str, go: Any, out: Any) 
     store = Store(url)
     go.wait(30)
     out.put((name, [key for key in keys if _claim(store, key, name)]))
-    store.engine.dispose()
+    store.close()
 
 
 def test_only_one_of_several_processes_wins_each_claim(store: Store) -> None:

@@ -24,6 +24,7 @@ from dex_tasks.settings import DexSettings
 from dex_tasks.states import CallStatus
 from dex_tasks.store.connections import (
     FORK_GUARD,
+    RECYCLE,
     HeldConnection,
     NetworkBounds,
     retryable,
@@ -137,10 +138,11 @@ class StoreBase:
         # autocommit: one round trip, no BEGIN and no COMMIT of their own (``single=True``).
         self.autocommit_engine = (self.engine.execution_options(isolation_level="AUTOCOMMIT")
                                   if self.is_postgres else self.engine)
-        # SQLite: the connection each engine's last transaction used, for the next (most
-        # transactions of a process come one after another; connections.HeldConnection).
-        self._held_write = HeldConnection(self.engine) if self.is_sqlite else None
-        self._held_read = HeldConnection(self.read_engine) if self.is_sqlite else None
+        # The connection each engine's last transaction used, for the next (most transactions
+        # of a process come one after another; connections.HeldConnection).
+        self._held = {id(engine): HeldConnection(engine, ping_after_idle=ping_after_idle,
+                                                 max_age=None if self.is_sqlite else RECYCLE)
+                      for engine in (self.engine, self.read_engine, self.autocommit_engine)}
         self._ended_hooks: list[EndedHook] = []
         # The webhook outbox (store/webhooks.py): where approval events are sent besides each
         # tool's own URLs, the page link's base, and who publishes a delivery after its commit
@@ -188,9 +190,8 @@ class StoreBase:
 
     def close(self) -> None:
         """Close the pooled connections (this process is done with the store)."""
-        for held in (self._held_write, self._held_read):
-            if held is not None:
-                held.close()
+        for held in self._held.values():
+            held.close()
         self.engine.dispose()
         if self.read_engine is not self.engine:
             self.read_engine.dispose()
@@ -238,7 +239,7 @@ class StoreBase:
         (each statement commits on its own), and the hooks run once the block is done."""
         ended: list[EndedCall] = []
         actions: list[Callable[[], None]] = []
-        with engine.connect() if autocommit else self._begin(engine) as conn:
+        with self._connect(engine) if autocommit else self._begin(engine) as conn:
             conn.info[ENDED_CALLS] = ended
             conn.info[AFTER_COMMIT] = actions
             try:
@@ -266,21 +267,19 @@ class StoreBase:
     @contextmanager
     def read(self) -> Iterator[Connection]:
         """A read-only transaction."""
-        with self._fork_safe(), self._errors(), self._connect_read(self.read_engine) as conn:
+        with self._fork_safe(), self._errors(), self._connect(self.read_engine) as conn:
             yield conn
 
     def _begin(self, engine: Engine) -> AbstractContextManager[Connection]:
-        """``engine.begin()``, on the held connection when ``engine`` is the store's own."""
-        if self._held_write is not None and engine is self.engine:
-            return self._held_write.begin()
-        return engine.begin()
+        """``engine.begin()``, on the held connection when ``engine`` is one of the store's."""
+        held = self._held.get(id(engine))
+        return engine.begin() if held is None else held.begin()
 
-    def _connect_read(self, engine: Engine) -> AbstractContextManager[Connection]:
-        """``engine.connect()`` for a read, on the held connection when ``engine`` is the
-        store's read engine."""
-        if self._held_read is not None and engine is self.read_engine:
-            return self._held_read.connect()
-        return engine.connect()
+    def _connect(self, engine: Engine) -> AbstractContextManager[Connection]:
+        """``engine.connect()``, on the held connection when ``engine`` is one of the
+        store's."""
+        held = self._held.get(id(engine))
+        return engine.connect() if held is None else held.connect()
 
     def _retrying(self, op: Callable[[Connection, int], T], *, read: bool = False,
                   single: bool = False) -> T:
@@ -308,7 +307,7 @@ class StoreBase:
         attempt = 1
         while True:
             try:
-                with self._fork_safe(), (self._connect_read(engine) if read else self.committing(
+                with self._fork_safe(), (self._connect(engine) if read else self.committing(
                         engine, autocommit=autocommit)) as conn:
                     return op(conn, attempt)
             except IntegrityError:

@@ -241,6 +241,12 @@ def statements_bounded() -> bool:
     return _BOUNDS.get() is not None
 
 
+RECYCLE = 1800
+"""Seconds after which a server connection is replaced by a new one when next used (the
+pool's ``pool_recycle``, and the held connection's age limit): a failover that moved the
+server's address is followed within this much even by a connection that never failed."""
+
+
 def server_engine(url: str, *, ping_after_idle: float | None,
                   network: NetworkBounds | None = None, pooler: bool = False) -> Engine:
     """A pooled engine for a database server (PostgreSQL).
@@ -273,7 +279,7 @@ def server_engine(url: str, *, ping_after_idle: float | None,
         connect_args.update(bounds.libpq_args(url, pooler=pooler))
     if parsed.get_driver_name() == "psycopg":
         connect_args["prepare_threshold"] = None if pooler else PREPARE_THRESHOLD
-    engine = create_engine(url, pool_size=5, max_overflow=10, pool_recycle=1800,
+    engine = create_engine(url, pool_size=5, max_overflow=10, pool_recycle=RECYCLE,
                            connect_args=connect_args)
     _guard_fork(engine)
     if parsed.get_backend_name() == "postgresql" and not pooler:
@@ -478,38 +484,46 @@ FORK_GUARD = ForkGuard()
 
 class HeldConnection:
     """One pooled connection of ``engine`` kept checked out between the transactions of this
-    process, for whichever transaction next finds it free (SQLite).
+    process, for whichever transaction next finds it free.
 
-    Checking a connection out of SQLAlchemy's pool and back in costs more than a short SQLite
+    Checking a connection out of SQLAlchemy's pool and back in costs about as much as a short
     transaction itself: building the ``Connection``, the pool's locks and events, the reset
-    (``ROLLBACK``) on the way back, about 40 µs a transaction on this project's machines. A
-    worker child runs two such transactions per call and the producer two more, each one
-    after another on one thread, so each takes the connection the last one left. A
-    transaction that finds it taken (another thread has it) checks one out of the pool, as
-    before, and returns it there.
+    on the way back (a ``ROLLBACK`` on SQLite, the isolation level set and reset around each
+    autocommit statement on PostgreSQL): about 40 µs a transaction on SQLite and 70-100 µs
+    on PostgreSQL on this project's machines. A worker child runs two such transactions per
+    call and the producer two more, each after the last on one thread, so each takes the
+    connection the last one left. A transaction that finds it taken (another thread has it)
+    checks one out of the pool, as before, and returns it there.
 
-    A connection is held only between transactions, never with one open, so a fork never
-    inherits a lock (``ForkGuard``); a child never uses what its parent held (checked by PID),
-    and keeps it referenced, untouched, like the pool's (``INHERITED``). One that failed
-    (lost, invalidated) goes back to the pool as before, which replaces it.
+    What the pool does on checkout is kept: a connection is held only between transactions,
+    never with one open, so a fork never inherits a lock (``ForkGuard``); a child never uses
+    what its parent held (checked by PID) and keeps it referenced, untouched, like the
+    pool's (``INHERITED``); one that failed (lost, invalidated) goes back to the pool, which
+    replaces it. ``ping_after_idle``: one held that long unused is pinged first, and replaced
+    if the server closed it (``server_engine``); ``max_age``: one that old goes back to the
+    pool, which recycles it.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, ping_after_idle: float | None = None,
+                 max_age: float | None = None) -> None:
         self.engine = engine
-        self._held: list[Connection] = []
+        self.ping_after_idle = ping_after_idle
+        self.max_age = max_age
+        # At most one (connection, taken from the pool at, given back at), monotonic clock.
+        self._held: list[tuple[Connection, float, float]] = []
         self._pid = os.getpid()
 
     @contextmanager
     def connect(self) -> Iterator[Connection]:
         """A connection for one transaction (or one read) of the ``with`` block; what the
         block leaves open is rolled back when it is held again."""
-        conn = self._take()
+        conn, born = self._take()
         try:
             yield conn
         except BaseException:
             conn.close()
             raise
-        self._give_back(conn)
+        self._give_back(conn, born)
 
     @contextmanager
     def begin(self) -> Iterator[Connection]:
@@ -517,18 +531,31 @@ class HeldConnection:
         with self.connect() as conn, conn.begin():
             yield conn
 
-    def _take(self) -> Connection:
+    def _take(self) -> tuple[Connection, float]:
         if self._pid != os.getpid():
-            # Forked: what the parent held is the parent's (its SQLite handle, its pool).
+            # Forked: what the parent held is the parent's (its SQLite handle, its socket).
             INHERITED.append(self._held)
             self._held, self._pid = [], os.getpid()
         try:
-            conn = self._held.pop()  # atomic: two threads never take the same one
+            conn, born, idle_from = self._held.pop()  # atomic: no two threads take one
         except IndexError:
-            return self.engine.connect()
-        return conn
+            return self.engine.connect(), time.monotonic()
+        now = time.monotonic()
+        if self.max_age is not None and now - born >= self.max_age:
+            conn.close()
+            return self.engine.connect(), now
+        if self.ping_after_idle is not None and now - idle_from >= self.ping_after_idle:
+            try:
+                dbapi = conn.connection.dbapi_connection
+                if dbapi is None or not self.engine.dialect.do_ping(dbapi):
+                    raise DisconnectionError("a held connection that sat idle was closed")
+            except Exception:  # noqa: BLE001 - closed meanwhile: the pool opens another
+                conn.invalidate()
+                conn.close()
+                return self.engine.connect(), now
+        return conn, born
 
-    def _give_back(self, conn: Connection) -> None:
+    def _give_back(self, conn: Connection, born: float) -> None:
         if self._held or conn.closed or conn.invalidated or self._pid != os.getpid():
             conn.close()
             return
@@ -539,10 +566,10 @@ class HeldConnection:
             with suppress(Exception):
                 conn.close()
             return
-        self._held.append(conn)
+        self._held.append((conn, born, time.monotonic()))
 
     def close(self) -> None:
         """Return the held connection to the pool (before the engine is disposed)."""
         while self._pid == os.getpid() and self._held:
             with suppress(Exception):
-                self._held.pop().close()
+                self._held.pop()[0].close()
