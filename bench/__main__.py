@@ -227,6 +227,23 @@ def driver(
 
 
 @app.command()
+def held(
+    calls: int = typer.Option(1000, "--calls", min=1, help="Operations per variant per round."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds (variants alternate)."),
+    store: str = typer.Option("both", "--store", help=STORE_HELP),
+    postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """CPU per store operation with each engine's last connection held, and with the pool."""
+    from bench.held import run_held
+
+    command = _command("held", {"--calls": calls, "--rounds": rounds, "--store": store})
+    console.print(f"[bold]{command}[/bold]")
+    _run(run_held, calls=calls, rounds=rounds, stores=_stores(store, postgres_url),
+         postgres_url=postgres_admin_url(postgres_url), out_dir=_out(out), console=console)
+
+
+@app.command()
 def pooler(
     calls: int = typer.Option(500, "--calls", min=1, help="Calls per variant per round."),
     rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds (variants alternate)."),

@@ -17,6 +17,7 @@ from rich.console import Console
 
 from bench.batch import run_batch
 from bench.driver import run_driver
+from bench.held import OPERATIONS, VARIANTS, run_held
 from bench.infra import child_env
 from bench.io_bound import run_io, threads_pool_supported
 from bench.latency import run_latency
@@ -71,6 +72,17 @@ def test_driver_times_the_store_against_the_same_statements_sent_directly(
     assert variants == expected
     for row in data["timings"]:
         assert len(row["rounds_ms"]) == 1 and row["ms_per_call"] > 0, row
+
+
+def test_held_times_each_store_operation_held_and_pooled(tmp_path: Path) -> None:
+    stores = ["sqlite", "postgres"] if POSTGRES_URL else ["sqlite"]
+    data = _written(run_held(calls=5, rounds=2, stores=stores, postgres_url=POSTGRES_URL,
+                             out_dir=tmp_path, console=_quiet()), tmp_path)
+    assert list(data["stores"]) == stores
+    for variants in data["stores"].values():
+        assert list(variants) == list(VARIANTS)
+        for ops in variants.values():
+            assert list(ops) == list(OPERATIONS) and all(v > 0 for v in ops.values()), ops
 
 
 def test_sweep_scale_times_every_job_at_each_scale(tmp_path: Path) -> None:

@@ -110,7 +110,9 @@ class StoreBase:
     ``connections.server_engine``). ``network``: how long a server connection may hang on a
     silent network (default: what ``DEX_STORE_*`` give, ``connections.NetworkBounds``).
     ``pooler``: a transaction pooler is in front of the server (default: what
-    ``DEX_STORE_POOLER`` says; see ``connections.server_engine``).
+    ``DEX_STORE_POOLER`` says; see ``connections.server_engine``). ``hold_connections``:
+    each engine's last connection is kept for the next transaction of this process
+    (``connections.HeldConnection``; off, every transaction checks one out of the pool).
 
     An error that waiting cannot fix (a refused login, a database that does not exist, a
     pooler refusing a startup parameter: ``refusals.refusal``) is never retried: it raises
@@ -119,7 +121,8 @@ class StoreBase:
 
     def __init__(self, database_url: str, *, retry_seconds: float = 5.0,
                  ping_after_idle: float | None = None,
-                 network: NetworkBounds | None = None, pooler: bool | None = None) -> None:
+                 network: NetworkBounds | None = None, pooler: bool | None = None,
+                 hold_connections: bool = True) -> None:
         self.url = database_url
         self.retry_seconds = retry_seconds
         self.is_sqlite = database_url.startswith("sqlite")
@@ -142,7 +145,8 @@ class StoreBase:
         # of a process come one after another; connections.HeldConnection).
         self._held = {id(engine): HeldConnection(engine, ping_after_idle=ping_after_idle,
                                                  max_age=None if self.is_sqlite else RECYCLE)
-                      for engine in (self.engine, self.read_engine, self.autocommit_engine)}
+                      for engine in (self.engine, self.read_engine, self.autocommit_engine)
+                      if hold_connections}
         self._ended_hooks: list[EndedHook] = []
         # The webhook outbox (store/webhooks.py): where approval events are sent besides each
         # tool's own URLs, the page link's base, and who publishes a delivery after its commit
