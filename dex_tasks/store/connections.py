@@ -521,7 +521,10 @@ class HeldConnection:
         try:
             yield conn
         except BaseException:
-            conn.close()
+            # Back to the pool, which resets or replaces it; the block's error is the one a
+            # retry is decided on, never one from closing a connection that was lost.
+            with suppress(Exception):
+                conn.close()
             raise
         self._give_back(conn, born)
 
