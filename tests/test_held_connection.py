@@ -214,3 +214,24 @@ def test_a_held_connection_past_its_age_goes_back_to_be_recycled(postgres_url: s
         assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
     finally:
         engine.dispose()
+
+
+def test_a_connection_made_read_only_by_a_read_is_not_held(postgres_url: str) -> None:
+    # Given a store that keeps its connections, and a read that made its connection a
+    # read-only REPEATABLE READ one (what an agent's session snapshot does)
+    store = Store(postgres_url)
+    store.create_all()
+    try:
+        def snapshot(conn: Any) -> Any:
+            conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
+            return conn.execute(select(CALLS.c.key)).all()
+
+        assert store.reading(snapshot) == []
+        # When the next write runs, then it is not on that connection (it would be refused:
+        # "cannot execute UPDATE in a read-only transaction"), and it lands
+        assert store.insert_call(_row("s/t/c3"))
+        with store.write() as tx:
+            assert tx.execute(select(CALLS.c.key)).scalars().all() == ["s/t/c3"]
+            assert tx.execute(text("SHOW transaction_read_only")).scalar_one() == "off"
+    finally:
+        store.close()

@@ -499,9 +499,10 @@ class HeldConnection:
     never with one open, so a fork never inherits a lock (``ForkGuard``); a child never uses
     what its parent held (checked by PID) and keeps it referenced, untouched, like the
     pool's (``INHERITED``); one that failed (lost, invalidated) goes back to the pool, which
-    replaces it. ``ping_after_idle``: one held that long unused is pinged first, and replaced
-    if the server closed it (``server_engine``); ``max_age``: one that old goes back to the
-    pool, which recycles it.
+    replaces it, and so does one whose execution options the block changed (an isolation
+    level, read-only), which the pool resets. ``ping_after_idle``: one held that long unused
+    is pinged first, and replaced if the server closed it (``server_engine``); ``max_age``:
+    one that old goes back to the pool, which recycles it.
     """
 
     def __init__(self, engine: Engine, *, ping_after_idle: float | None = None,
@@ -518,6 +519,7 @@ class HeldConnection:
         """A connection for one transaction (or one read) of the ``with`` block; what the
         block leaves open is rolled back when it is held again."""
         conn, born = self._take()
+        options = conn.get_execution_options()
         try:
             yield conn
         except BaseException:
@@ -526,6 +528,11 @@ class HeldConnection:
             with suppress(Exception):
                 conn.close()
             raise
+        if conn.get_execution_options() != options:
+            # The block changed what the pool resets on return (an isolation level, a
+            # read-only snapshot: session_views' REPEATABLE READ): it goes back to be reset.
+            conn.close()
+            return
         self._give_back(conn, born)
 
     @contextmanager
