@@ -235,3 +235,33 @@ def test_a_connection_made_read_only_by_a_read_is_not_held(postgres_url: str) ->
             assert tx.execute(text("SHOW transaction_read_only")).scalar_one() == "off"
     finally:
         store.close()
+
+
+def test_a_held_connection_whose_session_the_server_ended_is_replaced_without_a_ping(
+        postgres_url: str) -> None:
+    # Given a worker's store (it pings nothing) whose held connection the server ends
+    store = Store(postgres_url)
+    store.create_all()
+    admin = create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    try:
+        with store.read() as conn:
+            pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+            held = _dbapi(conn)
+        with admin.connect() as conn:
+            conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+            # (the server's goodbye reaches the socket once the backend has exited)
+            for _ in range(200):
+                gone = conn.execute(text("SELECT count(*) FROM pg_stat_activity "
+                                         "WHERE pid = :pid"), {"pid": pid}).scalar_one()
+                if not gone:
+                    break
+                time.sleep(0.01)
+        # When the next read runs (store.read() does not retry)
+        with store.read() as conn:
+            now = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+            replaced = _dbapi(conn) is not held
+        # Then it ran on another connection, at the first try
+        assert now != pid and replaced
+    finally:
+        store.close()
+        admin.dispose()

@@ -9,6 +9,7 @@ disagree.
 from __future__ import annotations
 
 import os
+import select as io_select
 import sqlite3
 import threading
 import time
@@ -500,9 +501,11 @@ class HeldConnection:
     what its parent held (checked by PID) and keeps it referenced, untouched, like the
     pool's (``INHERITED``); one that failed (lost, invalidated) goes back to the pool, which
     replaces it, and so does one whose execution options the block changed (an isolation
-    level, read-only), which the pool resets. ``ping_after_idle``: one held that long unused
-    is pinged first, and replaced if the server closed it (``server_engine``); ``max_age``:
-    one that old goes back to the pool, which recycles it.
+    level, read-only), which the pool resets. One whose server ended the session while it was
+    held (its goodbye waits on the socket: one ``poll``, no round trip) is replaced before
+    use. ``ping_after_idle``: one held that long unused is pinged first, and replaced if the
+    server closed it silently (``server_engine``); ``max_age``: one that old goes back to
+    the pool, which recycles it.
     """
 
     def __init__(self, engine: Engine, *, ping_after_idle: float | None = None,
@@ -554,6 +557,13 @@ class HeldConnection:
         if self.max_age is not None and now - born >= self.max_age:
             conn.close()
             return self.engine.connect(), now
+        if _hung_up(conn):
+            # The server ended this session while it sat here (a restart, a failover, an
+            # operator, an idle timeout): its goodbye is waiting on the socket. The pool may
+            # hand over one that still works; a statement on this one would only fail.
+            conn.invalidate()
+            conn.close()
+            return self.engine.connect(), now
         if self.ping_after_idle is not None and now - idle_from >= self.ping_after_idle:
             try:
                 dbapi = conn.connection.dbapi_connection
@@ -583,3 +593,19 @@ class HeldConnection:
         while self._pid == os.getpid() and self._held:
             with suppress(Exception):
                 self._held.pop()[0].close()
+
+
+def _hung_up(conn: Connection) -> bool:
+    """True if the server has spoken on an idle connection's socket, which it only does to
+    end the session (a message, then EOF): one ``poll`` with no wait, no round trip. False for
+    a connection without a socket (SQLite)."""
+    dbapi = conn.connection.dbapi_connection
+    fileno = getattr(dbapi, "fileno", None)
+    if fileno is None:
+        return False
+    try:
+        poller = io_select.poll()
+        poller.register(fileno(), io_select.POLLIN | io_select.POLLHUP | io_select.POLLERR)
+        return bool(poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return True  # no socket to ask: closed already
