@@ -528,13 +528,12 @@ class HeldConnection:
         except BaseException:
             # Back to the pool, which resets or replaces it; the block's error is the one a
             # retry is decided on, never one from closing a connection that was lost.
-            with suppress(Exception):
-                conn.close()
+            _discard(conn)
             raise
         if conn.get_execution_options() != options:
             # The block changed what the pool resets on return (an isolation level, a
             # read-only snapshot: session_views' REPEATABLE READ): it goes back to be reset.
-            conn.close()
+            _discard(conn)
             return
         self._give_back(conn, born)
 
@@ -555,14 +554,13 @@ class HeldConnection:
             return self.engine.connect(), time.monotonic()
         now = time.monotonic()
         if self.max_age is not None and now - born >= self.max_age:
-            conn.close()
+            _discard(conn)
             return self.engine.connect(), now
         if _hung_up(conn):
             # The server ended this session while it sat here (a restart, a failover, an
             # operator, an idle timeout): its goodbye is waiting on the socket. The pool may
             # hand over one that still works; a statement on this one would only fail.
-            conn.invalidate()
-            conn.close()
+            _discard(conn, invalidate=True)
             return self.engine.connect(), now
         if self.ping_after_idle is not None and now - idle_from >= self.ping_after_idle:
             try:
@@ -570,35 +568,42 @@ class HeldConnection:
                 if dbapi is None or not self.engine.dialect.do_ping(dbapi):
                     raise DisconnectionError("a held connection that sat idle was closed")
             except Exception:  # noqa: BLE001 - closed meanwhile: the pool opens another
-                conn.invalidate()
-                conn.close()
+                _discard(conn, invalidate=True)
                 return self.engine.connect(), now
         return conn, born
 
     def _give_back(self, conn: Connection, born: float) -> None:
         if self._held or conn.closed or conn.invalidated or self._pid != os.getpid():
-            conn.close()
+            _discard(conn)
             return
         try:
             if conn.in_transaction():
                 conn.rollback()  # a read's transaction (SQLAlchemy begins one on first use)
         except Exception:  # noqa: BLE001 - a connection that cannot be reset goes to the pool
-            with suppress(Exception):
-                conn.close()
+            _discard(conn)
             return
         self._held.append((conn, born, time.monotonic()))
 
     def close(self) -> None:
         """Return the held connection to the pool (before the engine is disposed)."""
         while self._pid == os.getpid() and self._held:
-            with suppress(Exception):
-                self._held.pop()[0].close()
+            _discard(self._held.pop()[0])
+
+
+def _discard(conn: Connection, *, invalidate: bool = False) -> None:
+    """Give ``conn`` back to the pool (``invalidate``: to be replaced), whatever state it is
+    in: a connection that was lost may raise on the way."""
+    with suppress(Exception):
+        if invalidate:
+            conn.invalidate()
+        conn.close()
 
 
 def _hung_up(conn: Connection) -> bool:
-    """True if the server has spoken on an idle connection's socket, which it only does to
-    end the session (a message, then EOF): one ``poll`` with no wait, no round trip. False for
-    a connection without a socket (SQLite)."""
+    """True if the server has spoken on an idle connection's socket, which an idle session
+    hears almost only when the server ends it (a message, then EOF; a false alarm costs one
+    pool checkout): one ``poll`` with no wait, no round trip. False for a connection without a
+    socket (SQLite)."""
     dbapi = conn.connection.dbapi_connection
     fileno = getattr(dbapi, "fileno", None)
     if fileno is None:
