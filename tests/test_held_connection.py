@@ -1,4 +1,4 @@
-"""The connection a store keeps between transactions (``connections.HeldConnection``).
+"""The connection a store keeps between transactions (``store/held.py``).
 
 Most transactions of a process come one after another on one thread (a worker child's read
 and ending, a producer's insert and ``wait``), so each takes the connection the last one left
@@ -25,7 +25,7 @@ from sqlalchemy import create_engine, event, select, text
 
 from dex_tasks.states import CallStatus
 from dex_tasks.store import CALLS, Store
-from dex_tasks.store.connections import HeldConnection
+from dex_tasks.store.held import HeldConnection
 
 
 @pytest.fixture

@@ -25,13 +25,13 @@ from dex_tasks.states import CallStatus
 from dex_tasks.store.connections import (
     FORK_GUARD,
     RECYCLE,
-    HeldConnection,
     NetworkBounds,
     retryable,
     server_engine,
     sqlite_engine,
     statements_bounded,
 )
+from dex_tasks.store.held import HeldConnection
 from dex_tasks.store.refusals import refusal
 from dex_tasks.store.tables import CALLS, STORE_NOW
 
@@ -112,7 +112,7 @@ class StoreBase:
     ``pooler``: a transaction pooler is in front of the server (default: what
     ``DEX_STORE_POOLER`` says; see ``connections.server_engine``). ``hold_connections``:
     each engine's last connection is kept for the next transaction of this process
-    (``connections.HeldConnection``; off, every transaction checks one out of the pool).
+    (``held.HeldConnection``; off, every transaction checks one out of the pool).
 
     An error that waiting cannot fix (a refused login, a database that does not exist, a
     pooler refusing a startup parameter: ``refusals.refusal``) is never retried: it raises
@@ -142,7 +142,7 @@ class StoreBase:
         self.autocommit_engine = (self.engine.execution_options(isolation_level="AUTOCOMMIT")
                                   if self.is_postgres else self.engine)
         # The connection each engine's last transaction used, for the next (most transactions
-        # of a process come one after another; connections.HeldConnection).
+        # of a process come one after another; held.HeldConnection).
         self._held = {id(engine): HeldConnection(engine, ping_after_idle=ping_after_idle,
                                                  max_age=None if self.is_sqlite else RECYCLE)
                       for engine in (self.engine, self.read_engine, self.autocommit_engine)
