@@ -23,6 +23,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from bench.driver import call_row
 from bench.infra import bench_session, fresh_store, median, save_results
 from dex_tasks.states import CallStatus
 from dex_tasks.store import Store
@@ -31,15 +32,6 @@ from dex_tasks.store.transitions import Started
 OWNER = "bench@host:1"
 OPERATIONS = ("insert_call", "get_call", "ending")
 VARIANTS = ("held", "pooled")
-
-
-def _row(key: str) -> dict[str, Any]:
-    now = time.time()
-    return {"key": key, "session_id": key.split("/")[0], "turn_id": "t",
-            "tool_call_id": key.rsplit("/", 1)[-1], "tool": "noop", "arguments": "{}",
-            "effect": "read", "requires_approval": False, "max_attempts": 3, "time_limit": None,
-            "status": CallStatus.QUEUED.value, "published_at": now, "created_at": now,
-            "updated_at": now}
 
 
 def _end(store: Store, key: str) -> None:
@@ -60,7 +52,7 @@ def _timed(op: Callable[[str], Any], keys: Sequence[str]) -> float:
 
 def _round(store: Store, calls: int) -> dict[str, float]:
     keys = [f"s{i % 20}/t/{uuid.uuid4().hex[:10]}" for i in range(calls)]
-    return {"insert_call": _timed(lambda k: store.insert_call(_row(k)), keys),
+    return {"insert_call": _timed(lambda k: store.insert_call(call_row(k, time.time())), keys),
             "get_call": _timed(store.get_call, keys),
             "ending": _timed(lambda k: _end(store, k), keys)}
 

@@ -17,6 +17,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from dex_tasks import DexClient, DexSettings, StoreUnavailableError
+from dex_tasks.store import Store
 from dex_tasks.worker.execution import Runtime
 from dex_tasks.worker.sweeps import run_job
 from tests.helpers import RedisServer, WorkerProcess, free_port, start_process
@@ -56,6 +57,15 @@ def redis_url(redis_server: RedisServer) -> str:
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'dex.db'}"
+
+
+@pytest.fixture
+def sqlite_store(sqlite_url: str) -> Iterator[Store]:
+    """A store on a fresh SQLite file, its tables created; closed after the test."""
+    store = Store(sqlite_url)
+    store.create_all()
+    yield store
+    store.close()
 
 
 @pytest.fixture

@@ -16,32 +16,24 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, event, select, text
 
-from dex_tasks.states import CallStatus
 from dex_tasks.store import CALLS, Store
 from dex_tasks.store.held import HeldConnection
+from tests.test_store import call_row
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store(f"sqlite:///{tmp_path}/dex.db")
-    s.create_all()
-    yield s
-    s.close()
+def store(sqlite_store: Store) -> Store:
+    return sqlite_store
 
 
 def _row(key: str) -> dict[str, Any]:
-    now = time.time()
-    return {"key": key, "session_id": "s", "turn_id": "t", "tool_call_id": key.rsplit("/")[-1],
-            "tool": "lookup", "arguments": "{}", "effect": "read", "requires_approval": False,
-            "max_attempts": 3, "time_limit": None, "status": CallStatus.QUEUED.value,
-            "published_at": now, "created_at": now, "updated_at": now}
+    return call_row(key, effect="read", max_attempts=3)
 
 
 def _dbapi(conn: Any) -> Any:

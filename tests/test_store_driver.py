@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +24,8 @@ from dex_tasks.store.tables import INSERT_CALL
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store(f"sqlite:///{tmp_path}/dex.db")
-    s.create_all()
-    yield s
-    s.close()
+def store(sqlite_store: Store) -> Store:
+    return sqlite_store
 
 
 def _row(key: str, **over: Any) -> dict[str, Any]:
