@@ -72,14 +72,18 @@ def one_raw(bench: Bench) -> tuple[float, float]:
     return t1 - t0, t2 - t0
 
 
-def one_dex(bench: Bench, variant: str, session: str, i: int) -> tuple[float, float]:
-    """``call_tool`` + ``wait`` of a no-op tool: (send, total) seconds."""
+def one_dex(bench: Bench, variant: str, session: str, i: int,
+            keys: list[str] | None = None) -> tuple[float, float]:
+    """``call_tool`` + ``wait`` of a no-op tool: (send, total) seconds (``keys``: the call's
+    key is appended to it)."""
     assert bench.client is not None
     client = bench.client
     t0 = time.perf_counter()
     record = client.call_tool(session_id=f"{session}-{i // CALLS_PER_SESSION}", turn_id="t",
                               tool_call_id=f"c{i}", tool=DEX_TOOLS[variant])
     t1 = time.perf_counter()
+    if keys is not None:
+        keys.append(record.key)
     done = client.wait(record.key, timeout=WAIT_TIMEOUT)
     t2 = time.perf_counter()
     if not done.terminal or done.status.value != "succeeded":

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, text
+from sqlalchemy import delete, select, text
 
 from bench import raw_tasks
 from bench.cpu import CpuMeter, children, fixed, per_call_us, tree
@@ -58,6 +58,7 @@ from bench.latency import one_dex, one_raw
 from bench.throughput import WAIT_TIMEOUT, Bench
 from dex_tasks import CallStatus
 from dex_tasks.store import CALLS, EVENTS, MESSAGES
+from dex_tasks.store.tables import event_name
 
 POLL_EVERY = 0.02  # DESIGN: the I/O calls are polled every 20 ms until terminal
 
@@ -236,8 +237,11 @@ def measure(bench: Bench, kind: str, shape: Shape, variant: str, rnd: int,
 
 
 def run_shapes(bench: Bench, kind: str, shapes: list[Shape], rounds: int, warmup: int,
-               db_pid: int | None, say: Callable[[str], None]) -> list[Run]:
-    """Every shape's rounds on one store's workers (raw and dex alternating)."""
+               db_pid: int | None, say: Callable[[str], None],
+               statements: list[dict[str, Any]] | None = None) -> list[Run]:
+    """Every shape's rounds on one store's workers (raw and dex alternating). ``statements``:
+    on a private PostgreSQL, DESIGN's shape's statements per dex-tasks call are added to it
+    (:func:`statements_per_call`)."""
     runs: list[Run] = []
     for shape in shapes:
         if bench.redis_server.aof != shape.aof:
@@ -245,13 +249,71 @@ def run_shapes(bench: Bench, kind: str, shapes: list[Shape], rounds: int, warmup
         purge(bench)
         run_raw(bench, warmup)
         run_dex(bench, replace(shape, calls=warmup), f"warm-{shape.name}")
+        counted = statements is not None and db_pid is not None and shape.name == DESIGN.name
+        if counted:
+            reset_statements(bench)
         for rnd in range(rounds):
             order = ("raw", "dex") if rnd % 2 == 0 else ("dex", "raw")
             for variant in order:
                 say(f"{kind}: {shape.name} round {rnd + 1}/{rounds}, {variant}")
                 runs.append(measure(bench, kind, shape, variant, rnd, db_pid))
             purge(bench)
+        if counted:
+            assert statements is not None
+            statements += statements_per_call(bench, rounds * shape.calls)
     return runs
+
+
+def _statistics(bench: Bench) -> Any:
+    """An engine on the store's database that may read pg_stat_statements (the private server
+    preloads it; the extension is created in the store's database on first use)."""
+    from sqlalchemy import create_engine
+
+    engine = create_engine(bench.database_url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(text("CREATE EXTENSION IF NOT EXISTS pg_stat_statements"))
+    return engine
+
+
+def reset_statements(bench: Bench) -> None:
+    engine = _statistics(bench)
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT pg_stat_statements_reset()"))
+    finally:
+        engine.dispose()
+
+
+def statements_per_call(bench: Bench, calls: int) -> list[dict[str, Any]]:
+    """What the server did per dex-tasks call since :func:`reset_statements`, by statement
+    (pg_stat_statements, this database's; those run at least once per ten calls each, and the
+    rest in one row, the rounds' purges left out): executions, execution time and WAL bytes
+    per call, and the statement's start. Execution time leaves out each statement's parse,
+    network and commit, which the server's CPU in the CPU table includes."""
+    engine = _statistics(bench)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(text(
+                "SELECT s.calls, s.total_exec_time, s.wal_bytes, s.query "
+                "FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid "
+                "WHERE d.datname = current_database() AND s.calls * 10 >= :calls "
+                "ORDER BY s.total_exec_time DESC"), {"calls": calls}).all()
+            # The rest, in one row: the publish marks' UPDATEs (an IN list of a different
+            # length each), the sweeps'; not the rounds' purges.
+            rest = conn.execute(text(
+                "SELECT coalesce(sum(s.calls), 0), coalesce(sum(s.total_exec_time), 0), "
+                "coalesce(sum(s.wal_bytes), 0), '(every other statement)' "
+                "FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid "
+                "WHERE d.datname = current_database() AND s.calls * 10 < :calls "
+                "AND s.query NOT ILIKE 'TRUNCATE%' AND s.query NOT ILIKE '%pg_stat_statements%'"),
+                {"calls": calls}).one()
+    finally:
+        engine.dispose()
+    return [{"store": "postgres", "per_call": round(n / calls, 2),
+             "exec_us_per_call": round(total_ms * 1000 / calls, 1),
+             "wal_bytes_per_call": round(float(wal) / calls),
+             "statement": " ".join(query.split())[:110]}
+            for n, total_ms, wal, query in [*rows, rest]]
 
 
 def summarize(runs: list[Run]) -> list[dict[str, Any]]:
@@ -283,21 +345,55 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
 
 
 def run_one_at_a_time(bench: Bench, kind: str, calls: int) -> dict[str, Any]:
-    """``calls`` of each, interleaved: p50 of call_tool + wait vs apply_async().get()."""
+    """``calls`` of each, interleaved: p50 of call_tool + wait vs apply_async().get(), and
+    where a dex-tasks call's time goes (:func:`phases`)."""
     raw: list[float] = []
     dex: list[float] = []
+    timeline: list[tuple[float, float, float]] = []
+    keys: list[str] = []
     for i in range(calls + 5):  # the first five warm both paths
         raw_total = one_raw(bench)[1]
-        dex_total = one_dex(bench, "read", f"one-{kind}", i)[1]
+        sent_at = time.time()
+        send, dex_total = one_dex(bench, "read", f"one-{kind}", i, keys)
         if i >= 5:
             raw.append(raw_total)
             dex.append(dex_total)
+            timeline.append((sent_at, sent_at + send, sent_at + dex_total))
     p50_dex, p50_raw = median(dex), median(raw)
     return {"store": kind, "calls": calls, "dex_p50_ms": round(p50_dex * 1000, 3),
             "raw_p50_ms": round(p50_raw * 1000, 3),
             "dex_p99_ms": round(percentile(dex, 99) * 1000, 3),
             "raw_p99_ms": round(percentile(raw, 99) * 1000, 3),
-            "vs_raw": round(p50_dex / p50_raw, 3)}
+            "vs_raw": round(p50_dex / p50_raw, 3),
+            "phases_p50_ms": phases(bench, keys[5:], timeline)}
+
+
+PHASES = ("call_tool", "to the worker", "in the worker", "back to the caller")
+
+
+def phases(bench: Bench, keys: list[str], timeline: list[tuple[float, float, float]],
+           ) -> dict[str, float]:
+    """The p50 of each phase of a call made alone, in ms: ``call_tool`` (the insert and the
+    publish), then until the worker's child starts the attempt (the start its ending records),
+    then until the child ends it (the read, the run's lease, the tool), then until ``wait``
+    returns (the ending's commit, the announcement, the wake-up and what the waiter reads).
+    The marks inside the worker are its event times, taken on this machine's clock."""
+    assert bench.client is not None
+    started, finished = event_name(CallStatus.RUNNING), event_name(CallStatus.SUCCEEDED)
+    marks: dict[str, dict[str, float]] = {}
+    with bench.client.store.read() as conn:
+        rows = conn.execute(select(EVENTS.c.key, EVENTS.c.event, EVENTS.c.created_at)
+                            .where(EVENTS.c.key.in_(keys),
+                                   EVENTS.c.event.in_((started, finished))))
+        for key, event, at in rows:
+            marks.setdefault(key, {})[event] = at
+    spans: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    for key, (sent, returned, done) in zip(keys, timeline, strict=True):
+        start, end = marks[key][started], marks[key][finished]
+        for phase, seconds in zip(PHASES, (returned - sent, start - returned, end - start,
+                                           done - end), strict=True):
+            spans[phase].append(seconds)
+    return {phase: round(median(v) * 1000, 3) for phase, v in spans.items()}
 
 
 # -- the I/O burst ------------------------------------------------------------------------------
@@ -427,6 +523,7 @@ def run_plan(plan: Plan, stores: list[str], postgres_url: str | None,
     runs: list[Run] = []
     one: list[dict[str, Any]] = []
     io: list[dict[str, Any]] = []
+    statements: list[dict[str, Any]] = []
     try:
         for kind in stores:
             with postgres_for(kind, postgres_url, workdir) as (admin, db_pid):
@@ -439,7 +536,7 @@ def run_plan(plan: Plan, stores: list[str], postgres_url: str | None,
                     try:
                         bench.start()
                         runs += run_shapes(bench, kind, plan.shapes, plan.rounds, plan.warmup,
-                                           db_pid, say)
+                                           db_pid, say, statements)
                         if plan.latency_calls:
                             redis_server.set_aof(True)
                             purge(bench)
@@ -456,4 +553,5 @@ def run_plan(plan: Plan, stores: list[str], postgres_url: str | None,
         redis_server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
         machine["loadavg_after"] = list(os.getloadavg())
-    return {"machine": machine, "runs": runs, "one_at_a_time": one, "io": io}
+    return {"machine": machine, "runs": runs, "one_at_a_time": one, "io": io,
+            "statements": statements}

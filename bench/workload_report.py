@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.infra import BenchError, save_results
-from bench.workload import DESIGN, GAP, OLD, Plan, Run, run_plan, scaled, summarize
+from bench.workload import DESIGN, GAP, OLD, PHASES, Plan, Run, run_plan, scaled, summarize
 
 # Issue 29's targets: (figure, comparison, bound).
 GOALS = {"throughput": (">=", 0.8), "io": ("<=", 1.2), "one_at_a_time": ("<=", 1.2)}
@@ -46,6 +46,7 @@ def run_workload(*, calls: int | None, rounds: int, stores: list[str],
     print_cpu(console, rows)
     print_one(console, done["one_at_a_time"])
     print_io(console, done["io"])
+    print_statements(console, done["statements"])
     payload = {"command": command, "machine": done["machine"],
                "config": {"shapes": [asdict(s) | {"describe": s.describe()} for s in shapes],
                           "rounds": rounds, "warmup": warmup, "latency_calls": latency_calls,
@@ -54,7 +55,7 @@ def run_workload(*, calls: int | None, rounds: int, stores: list[str],
                           "workers": "prefork -c 2 -l warning each; I/O: --pool threads",
                           "stores": stores},
                "throughput": rows, "one_at_a_time": done["one_at_a_time"], "io": done["io"],
-               "runs": [_run(r) for r in done["runs"]]}
+               "statements": done["statements"], "runs": [_run(r) for r in done["runs"]]}
     return save_results("workload", payload, out_dir, console)
 
 
@@ -132,6 +133,33 @@ def print_one(console: Console, rows: list[dict[str, Any]]) -> None:
                       f"{r['raw_p50_ms']:.2f}", f"{r['vs_raw']:.2f}x", f"{r['dex_p99_ms']:.2f}",
                       f"{r['raw_p99_ms']:.2f}", _verdict("one_at_a_time", r["vs_raw"]))
     console.print(table)
+    table = Table(title="One call at a time: where a dex-tasks call's time goes, p50 ms "
+                        "of each phase")
+    table.add_column("store")
+    for phase in PHASES:
+        table.add_column(phase, justify="right")
+    for r in rows:
+        table.add_row(r["store"], *(f"{r['phases_p50_ms'][p]:.2f}" for p in PHASES))
+    console.print(table)
+    console.print("call_tool: the insert and the publish; to the worker: until its child starts "
+                  "the attempt; in the worker: the call's read, its lease, the tool; back: the "
+                  "ending's commit, the announcement, the wake-up and the waiter's read",
+                  justify="center")
+
+
+def print_statements(console: Console, rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    table = Table(title="PostgreSQL per dex-tasks call of DESIGN's rounds, by statement "
+                        "(pg_stat_statements on the private server)")
+    for column in ("runs per call", "exec µs per call", "WAL bytes per call", "statement"):
+        table.add_column(column, justify="left" if column == "statement" else "right")
+    for r in rows:
+        table.add_row(f"{r['per_call']:.2f}", f"{r['exec_us_per_call']:.1f}",
+                      str(r["wal_bytes_per_call"]), r["statement"])
+    console.print(table)
+    console.print("exec: the executor's time alone (no parse, network or commit, which the "
+                  "database's CPU above includes)", justify="center")
 
 
 def print_io(console: Console, rows: list[dict[str, Any]]) -> None:

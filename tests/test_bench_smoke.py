@@ -229,6 +229,7 @@ def test_pooler_times_a_calls_writes_direct_and_through_pgbouncer(tmp_path: Path
 def test_workload_runs_designs_shape_beside_the_old_one_with_cpu_per_process(
     tmp_path: Path,
 ) -> None:
+    from bench.workload import PHASES
     from bench.workload_report import run_workload
 
     data = _written(run_workload(
@@ -246,6 +247,9 @@ def test_workload_runs_designs_shape_beside_the_old_one_with_cpu_per_process(
             "producer", "worker main", "children", "redis", "total"}, row
     [one] = data["one_at_a_time"]
     assert one["calls"] == 2 and one["dex_p50_ms"] > 0 and one["raw_p50_ms"] > 0
+    # Where the time of a call made alone goes, from its own clock marks and its events
+    assert list(one["phases_p50_ms"]) == list(PHASES)
+    assert one["phases_p50_ms"]["call_tool"] > 0 and one["phases_p50_ms"]["in the worker"] > 0
     [io] = data["io"]
     assert set(io["vs_raw"]) == {"dex polled", "dex wait"} and io["wall_s"]["raw"] > 0
 
