@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import redis
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import Engine, make_url
 
 from dex_tasks.ops.procutil import children_of, free_port, wait_until
 from dex_tasks.ops.procutil import redis_pings as _pings
@@ -391,3 +391,26 @@ def by_variant(results: Sequence[R], variants: Sequence[str],
             runs = [r for r in results if r.store == store and r.variant == variant]
             if runs:
                 yield store, variant, runs, [by[(store, baseline, r.round)] for r in runs]
+
+
+# -- pg_stat_statements -------------------------------------------------------------------------
+
+
+def statement_stats(engine: Engine) -> list[dict[str, Any]]:
+    """pg_stat_statements' rows for the statements on the store's tables in ``engine``'s
+    database (EXPLAIN, the statistics' own and schema statements left out)."""
+    with engine.connect() as conn:
+        rows = conn.execute(text(
+            "SELECT query, calls, total_exec_time, rows, shared_blks_hit, shared_blks_read, "
+            "shared_blks_dirtied, wal_bytes FROM pg_stat_statements s "
+            "JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = current_database() "
+            "AND query ~* 'dex_(tool_calls|call_events|messages)' "
+            "AND query !~* '^(EXPLAIN|SELECT pg_stat|DROP|CREATE|TRUNCATE|ALTER)'"
+        )).mappings().all()
+    return [dict(r) for r in rows]
+
+
+def reset_statement_stats(engine: Engine) -> None:
+    """Start pg_stat_statements' counts again."""
+    with engine.connect() as conn:
+        conn.execute(text("SELECT pg_stat_statements_reset()"))

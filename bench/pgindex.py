@@ -36,7 +36,15 @@ from sqlalchemy import create_engine, select, text
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Engine
 
-from bench.infra import BenchError, fresh_store, machine_info, median, save_results
+from bench.infra import (
+    BenchError,
+    fresh_store,
+    machine_info,
+    median,
+    reset_statement_stats,
+    save_results,
+    statement_stats,
+)
 from bench.workload import private_postgres
 from dex_tasks.broker.metrics import open_calls_query
 from dex_tasks.states import TERMINAL, CallStatus
@@ -80,34 +88,17 @@ def hot_path(store: Store, key: str) -> None:
 # -- statements and indexes ---------------------------------------------------------------------
 
 
-def _stats(admin: Engine) -> list[dict[str, Any]]:
-    with admin.connect() as conn:
-        rows = conn.execute(text(
-            "SELECT query, calls, total_exec_time, rows, shared_blks_hit, shared_blks_read, "
-            "shared_blks_dirtied, wal_bytes FROM pg_stat_statements s "
-            "JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = current_database() "
-            "AND query ~* 'dex_(tool_calls|call_events|messages)' "
-            "AND query !~* '^(EXPLAIN|SELECT pg_stat|DROP|CREATE|TRUNCATE|ALTER)'"
-        )).mappings().all()
-    return [dict(r) for r in rows]
-
-
-def _reset(admin: Engine) -> None:
-    with admin.connect() as conn:
-        conn.execute(text("SELECT pg_stat_statements_reset()"))
-
-
 def run_calls(store: Store, admin: Engine, calls: int, tag: str) -> dict[str, Any]:
     """N calls' hot path: pg_stat_statements per statement, the WAL each relation was written
     (pg_walinspect, by the relation of each record's first block), and the client's wall."""
-    _reset(admin)
+    reset_statement_stats(admin)
     with admin.connect() as conn:
         first = conn.execute(text("SELECT pg_current_wal_insert_lsn()")).scalar()
     start = time.perf_counter()
     for i in range(calls):
         hot_path(store, f"{tag}/t/c{i}")
     wall = time.perf_counter() - start
-    stats = _stats(admin)
+    stats = statement_stats(admin)
     with admin.connect() as conn:
         # (a synchronous commit ended each call, so its records are flushed)
         last = conn.execute(text("SELECT pg_current_wal_flush_lsn()")).scalar()

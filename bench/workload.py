@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import delete, select, text
+from sqlalchemy.engine import Engine
 
 from bench import raw_tasks
 from bench.cpu import CpuMeter, children, fixed, per_call_us, tree
@@ -52,6 +53,8 @@ from bench.infra import (
     fresh_store,
     median,
     percentile,
+    reset_statement_stats,
+    statement_stats,
 )
 from bench.io_bound import IoBench
 from bench.latency import one_dex, one_raw
@@ -264,56 +267,47 @@ def run_shapes(bench: Bench, kind: str, shapes: list[Shape], rounds: int, warmup
     return runs
 
 
-def _statistics(bench: Bench) -> Any:
+@contextmanager
+def _statistics(bench: Bench) -> Iterator[Engine]:
     """An engine on the store's database that may read pg_stat_statements (the private server
     preloads it; the extension is created in the store's database on first use)."""
     from sqlalchemy import create_engine
 
     engine = create_engine(bench.database_url, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.execute(text("CREATE EXTENSION IF NOT EXISTS pg_stat_statements"))
-    return engine
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("CREATE EXTENSION IF NOT EXISTS pg_stat_statements"))
+        yield engine
+    finally:
+        engine.dispose()
 
 
 def reset_statements(bench: Bench) -> None:
-    engine = _statistics(bench)
-    try:
-        with engine.connect() as conn:
-            conn.execute(text("SELECT pg_stat_statements_reset()"))
-    finally:
-        engine.dispose()
+    with _statistics(bench) as engine:
+        reset_statement_stats(engine)
 
 
 def statements_per_call(bench: Bench, calls: int) -> list[dict[str, Any]]:
     """What the server did per dex-tasks call since :func:`reset_statements`, by statement
-    (pg_stat_statements, this database's; those run at least once per ten calls each, and the
-    rest in one row, the rounds' purges left out): executions, execution time and WAL bytes
-    per call, and the statement's start. Execution time leaves out each statement's parse,
-    network and commit, which the server's CPU in the CPU table includes."""
-    engine = _statistics(bench)
-    try:
-        with engine.connect() as conn:
-            rows = conn.execute(text(
-                "SELECT s.calls, s.total_exec_time, s.wal_bytes, s.query "
-                "FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid "
-                "WHERE d.datname = current_database() AND s.calls * 10 >= :calls "
-                "ORDER BY s.total_exec_time DESC"), {"calls": calls}).all()
-            # The rest, in one row: the publish marks' UPDATEs (an IN list of a different
-            # length each), the sweeps'; not the rounds' purges.
-            rest = conn.execute(text(
-                "SELECT coalesce(sum(s.calls), 0), coalesce(sum(s.total_exec_time), 0), "
-                "coalesce(sum(s.wal_bytes), 0), '(every other statement)' "
-                "FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid "
-                "WHERE d.datname = current_database() AND s.calls * 10 < :calls "
-                "AND s.query NOT ILIKE 'TRUNCATE%' AND s.query NOT ILIKE '%pg_stat_statements%'"),
-                {"calls": calls}).one()
-    finally:
-        engine.dispose()
-    return [{"store": "postgres", "per_call": round(n / calls, 2),
-             "exec_us_per_call": round(total_ms * 1000 / calls, 1),
-             "wal_bytes_per_call": round(float(wal) / calls),
-             "statement": " ".join(query.split())[:110]}
-            for n, total_ms, wal, query in [*rows, rest]]
+    on the store's tables (``infra.statement_stats``; those run at least once per ten calls
+    each, and the rest in one row): executions, execution time and WAL bytes per call, and
+    the statement's start. Execution time leaves out each statement's parse, network and
+    commit, which the server's CPU in the CPU table includes."""
+    with _statistics(bench) as engine:
+        stats = statement_stats(engine)
+    stats.sort(key=lambda s: -float(s["total_exec_time"]))
+    # The rest, in one row: the publish marks' UPDATEs (an IN list of a different length
+    # each), the sweeps'.
+    rest = [s for s in stats if int(s["calls"]) * 10 < calls]
+    rows = [s for s in stats if int(s["calls"]) * 10 >= calls]
+    rows.append({"query": "(every other statement)",
+                 **{f: sum(float(s[f]) for s in rest)
+                    for f in ("calls", "total_exec_time", "wal_bytes")}})
+    return [{"store": "postgres", "per_call": round(float(r["calls"]) / calls, 2),
+             "exec_us_per_call": round(float(r["total_exec_time"]) * 1000 / calls, 1),
+             "wal_bytes_per_call": round(float(r["wal_bytes"]) / calls),
+             "statement": " ".join(str(r["query"]).split())[:110]}
+            for r in rows]
 
 
 def summarize(runs: list[Run]) -> list[dict[str, Any]]:
