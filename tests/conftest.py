@@ -20,7 +20,7 @@ from dex_tasks import DexClient, DexSettings, StoreUnavailableError
 from dex_tasks.store import Store
 from dex_tasks.worker.execution import Runtime
 from dex_tasks.worker.sweeps import run_job
-from tests.helpers import RedisServer, WorkerProcess, free_port, start_process
+from tests.helpers import RedisServer, WorkerProcess, free_port, open_store, start_process
 from tests.pgbouncer import PgBouncer, require_pgbouncer
 
 POSTGRES_URL = os.environ.get("DEX_TEST_POSTGRES_URL", "")
@@ -62,10 +62,8 @@ def sqlite_url(tmp_path: Path) -> str:
 @pytest.fixture
 def sqlite_store(sqlite_url: str) -> Iterator[Store]:
     """A store on a fresh SQLite file, its tables created; closed after the test."""
-    store = Store(sqlite_url)
-    store.create_all()
-    yield store
-    store.close()
+    with open_store(sqlite_url) as store:
+        yield store
 
 
 @pytest.fixture

@@ -29,9 +29,22 @@ from dex_tasks.ops.procutil import free_port as free_port
 from dex_tasks.ops.procutil import pid_alive as pid_alive
 from dex_tasks.ops.procutil import redis_pings as _pings
 from dex_tasks.ops.procutil import wait_until as wait_until
+from dex_tasks.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
+
+
+@contextmanager
+def open_store(url: str) -> Iterator[Store]:
+    """A store on ``url`` with its tables created, closed (its held connections returned) at
+    the end: the body of the tests' store fixtures."""
+    store = Store(url)
+    store.create_all()
+    try:
+        yield store
+    finally:
+        store.close()
 
 
 def started_pid(ledger_path: Path, key: str, attempt: int = 1, timeout: float = 20.0) -> int:

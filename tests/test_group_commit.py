@@ -15,6 +15,7 @@ from sqlalchemy.engine import Connection
 from dex_tasks import CallStatus
 from dex_tasks.store import EndedCall, Store
 from dex_tasks.worker.group_commit import EndCommits
+from tests.helpers import open_store
 from tests.test_store import call_row
 
 THREADS = 8
@@ -22,10 +23,8 @@ THREADS = 8
 
 @pytest.fixture
 def store(database_url: str) -> Iterator[Store]:
-    s = Store(database_url)
-    s.create_all()
-    yield s
-    s.close()
+    with open_store(database_url) as s:
+        yield s
 
 
 def test_endings_that_come_together_share_one_commit_and_are_announced_after_it(

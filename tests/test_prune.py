@@ -20,6 +20,7 @@ from dex_tasks.store.prune import PruneResult, candidates, parse_age, prune
 from dex_tasks.store.transcript import add_assistant_message, report_text, send_user_message
 from dex_tasks.worker.reconcilers import unreported_calls
 from tests.conftest import StartWorker, fast_settings
+from tests.helpers import open_store
 
 NOW = time.time()
 DAY = 86400.0
@@ -28,10 +29,8 @@ OLD = NOW - 40 * DAY
 
 @pytest.fixture
 def store(database_url: str) -> Iterator[Store]:
-    s = Store(database_url)
-    s.create_all()
-    yield s
-    s.close()
+    with open_store(database_url) as s:
+        yield s
 
 
 def add_call(store: Store, key: str, end: CallStatus | None, *, at: float = OLD,

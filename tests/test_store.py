@@ -25,15 +25,13 @@ from sqlalchemy import event, text
 from dex_tasks import CallStatus, IllegalTransitionError, StoreUnavailableError
 from dex_tasks.states import ALLOWED_FROM, TERMINAL
 from dex_tasks.store import CALLS, Move, Store
-from tests.helpers import race_in_processes
+from tests.helpers import open_store, race_in_processes
 
 
 @pytest.fixture
 def store(database_url: str) -> Iterator[Store]:
-    s = Store(database_url)
-    s.create_all()
-    yield s
-    s.close()
+    with open_store(database_url) as s:
+        yield s
 
 
 def call_row(key: str, status: CallStatus = CallStatus.QUEUED, **over: Any) -> dict[str, Any]:
