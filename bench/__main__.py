@@ -244,6 +244,22 @@ def held(
 
 
 @app.command()
+def overlap(
+    calls: int = typer.Option(500, "--calls", min=1, help="Calls per variant per round."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds (after a warm-up round)."),
+    postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """call_tool's insert and publish on PostgreSQL, one after the other and overlapped."""
+    from bench.overlap import run_overlap
+
+    command = _command("overlap", {"--calls": calls, "--rounds": rounds})
+    console.print(f"[bold]{command}[/bold]")
+    _run(run_overlap, calls=calls, rounds=rounds,
+         postgres_url=postgres_admin_url(postgres_url), out_dir=_out(out), console=console)
+
+
+@app.command()
 def pooler(
     calls: int = typer.Option(500, "--calls", min=1, help="Calls per variant per round."),
     rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds (variants alternate)."),

@@ -23,6 +23,8 @@ from bench.io_bound import run_io, threads_pool_supported
 from bench.latency import run_latency
 from bench.many_tools import run_many_tools
 from bench.memory import run_memory
+from bench.overlap import VARIANTS as OVERLAP_VARIANTS
+from bench.overlap import run_overlap
 from bench.profile import run_profile
 from bench.scrape import run_scrape
 from bench.sweep_scale import DEFAULT_JOBS, run_sweeps
@@ -83,6 +85,16 @@ def test_held_times_each_store_operation_held_and_pooled(tmp_path: Path) -> None
         assert list(variants) == list(VARIANTS)
         for ops in variants.values():
             assert list(ops) == list(OPERATIONS) and all(v > 0 for v in ops.values()), ops
+
+
+def test_overlap_times_the_insert_and_publish_both_ways(tmp_path: Path,
+                                                        postgres_url: str) -> None:
+    # (postgres_url: PostgreSQL is required, on CI; the bench makes its own fresh database)
+    data = _written(run_overlap(calls=5, rounds=1, postgres_url=POSTGRES_URL,
+                                out_dir=tmp_path, console=_quiet()), tmp_path)
+    assert list(data["variants"]) == list(OVERLAP_VARIANTS)
+    for figures in data["variants"].values():
+        assert figures["p50_ms"] > 0 and figures["cpu_us"] > 0, figures
 
 
 def test_sweep_scale_times_every_job_at_each_scale(tmp_path: Path) -> None:
