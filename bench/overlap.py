@@ -4,9 +4,10 @@ one thread.
 
 ``python -m bench overlap`` (PostgreSQL only) runs ``call_tool``'s two waits as a producer meets
 them: the insert of a call with its first event (one statement in autocommit, prepared once,
-as the store sends it) and the publish of its message (Celery's ``send_task`` to a queue no
-worker consumes, on a private Redis). The **sequential** variant sends the statement, waits for
-its reply, then publishes (what ``call_tool`` does); the **overlapped** one sends the statement
+like the store's but without its conflict and tombstone checks) and the publish of its message
+(Celery's ``send_task`` to a queue no worker consumes, on a private Redis). The **sequential**
+variant sends the statement, waits for its reply, then publishes (``call_tool``'s order); the
+**overlapped** one sends the statement
 with libpq's asynchronous calls (``PQsendQueryPrepared``, ``PQflush`` through psycopg's
 ``pgconn``), publishes while the server inserts and flushes its WAL, then reads the reply. Both
 run the same statement on the same connection, alternating call by call; it prints the p50 and
@@ -44,7 +45,7 @@ STATEMENT = b"dex_bench_overlap_insert"
 # to its Python default.
 _DEFAULTS = {"republishes": 0}
 _COLUMNS = (*call_row("s/t/c", 0.0), *_DEFAULTS)
-# The call and its first event in one statement, as the store's PostgreSQL insert sends them.
+# The call and its first event in one statement, as the store's PostgreSQL insert writes them.
 _SQL = (
     "WITH new_call AS (INSERT INTO dex_tool_calls ({cols}) VALUES ({marks}) "
     "RETURNING key, session_id, status, created_at) "
