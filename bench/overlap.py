@@ -7,11 +7,10 @@ them: the insert of a call with its first event (one statement in autocommit, pr
 like the store's but without its conflict and tombstone checks) and the publish of its message
 (Celery's ``send_task`` to a queue no worker consumes, on a private Redis). The **sequential**
 variant sends the statement, waits for its reply, then publishes (``call_tool``'s order); the
-**overlapped** one sends the statement
-with libpq's asynchronous calls (``PQsendQueryPrepared``, ``PQflush`` through psycopg's
-``pgconn``), publishes while the server inserts and flushes its WAL, then reads the reply. Both
-run the same statement on the same connection, alternating call by call; it prints the p50 and
-p90 of the pair's wall time and this process's CPU per pair.
+**overlapped** one sends the statement with libpq's asynchronous calls (``PQsendQueryPrepared``,
+``PQflush`` through psycopg's ``pgconn``), publishes while the server inserts and flushes its
+WAL, then reads the reply. Both run the same statement on the same connection, alternating call
+by call; it prints the p50 and p90 of the pair's wall time and this process's CPU per pair.
 
 The fifth round built this into ``call_tool`` after a helper thread's hand-off had cost what
 its overlap saved; inside ``call_tool`` the pair's saving shrank to about 0.1 ms and moved no
