@@ -1,6 +1,7 @@
 """A waiter is handed the ended record with the notification that wakes it (DESIGN version 4):
 ``wait`` reads the store once before it subscribes and not again once woken, and a record in
-a notification counts only when it is signed with the deployment's secret."""
+a notification counts only when it is signed with the store's own key (``Store.shared_key``),
+which needs no setting."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ TOOLS = "workers.example_tools,chaos.tools"
 @pytest.fixture
 def settings(redis_url: str, database_url: str) -> DexSettings:
     # No poll while the test waits: every read of the store is one the wake-ups asked for.
-    return fast_settings(redis_url, database_url, wait_poll_seconds=60.0)
+    # And no DEX_SECRET_KEY on either side: records are signed with the store's own key,
+    # which a deployment without the API never sets.
+    return fast_settings(redis_url, database_url, wait_poll_seconds=60.0, secret_key=None)
 
 
 def _timed_reads(client: DexClient, monkeypatch: pytest.MonkeyPatch) -> list[float]:
@@ -78,7 +81,7 @@ def test_wait_takes_the_ended_record_from_the_notification_without_reading_the_s
                                                                      "attempt": 1}
 
 
-def test_a_record_not_signed_with_our_secret_is_not_believed(
+def test_a_record_not_signed_with_the_stores_key_is_not_believed(
     client: DexClient, start_worker: StartWorker, ledger_path: Path, redis_url: str,
 ) -> None:
     # Given a read that runs for a few seconds
@@ -89,10 +92,10 @@ def test_a_record_not_signed_with_our_secret_is_not_believed(
               "finished_at": stored.created_at + 1}
     publisher = redis.Redis.from_url(redis_url)
 
-    # When someone with Redis access but another secret keeps announcing a made-up ending
+    # When someone with Redis access but another key keeps announcing a made-up ending
     # while the waiter waits
     stop = threading.Event()
-    forgery = record_serializer("not-our-secret").dumps(forged)
+    forgery = record_serializer("not-the-stores-key").dumps(forged)
 
     def forge() -> None:
         while not stop.wait(0.05):

@@ -120,7 +120,7 @@ class DexClient(SessionMethods):
         # waiters and are counted like the ones workers end.
         self._notifier = announce.install(
             self.store, self.settings.redis_url, connector(self.settings),
-            claim_ended_ttl=self.settings.claim_ended_ttl_seconds, secret=self._secret())
+            claim_ended_ttl=self.settings.claim_ended_ttl_seconds)
         webhooks.install(self.store, self.settings, lambda: self.app)
         self._app: Celery | None = None
         self._catalog_cache: dict[str, tuple[float, catalog.ToolInfo]] = {}

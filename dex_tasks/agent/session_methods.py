@@ -23,7 +23,7 @@ from dex_tasks.states import CallStatus
 # dex_tasks.lazy): ``from dex_tasks import DexClient`` stays cheap.
 if TYPE_CHECKING:
     from dex_tasks.agent import approvals, session_views, turns
-    from dex_tasks.broker import metrics, notify
+    from dex_tasks.broker import announce, metrics, notify
     from dex_tasks.broker.redis_clients import connector
     from dex_tasks.store import transcript
     from dex_tasks.store.models import ToolCallRow
@@ -32,7 +32,7 @@ else:
     _deferred = Deferred(globals())
     approvals, session_views, turns = _deferred("dex_tasks.agent", "approvals", "session_views",
                                                   "turns")
-    metrics, notify = _deferred("dex_tasks.broker", "metrics", "notify")
+    announce, metrics, notify = _deferred("dex_tasks.broker", "announce", "metrics", "notify")
     connector = _deferred("dex_tasks.broker.redis_clients", "connector")
     transcript = _deferred("dex_tasks.store", "transcript")
     ToolCallRow = _deferred("dex_tasks.store.models", "ToolCallRow")
@@ -52,8 +52,8 @@ class SessionMethods:
     store: hints.Store
     settings: hints.DexSettings
     _watcher: hints.CallWatcher | None = None
-    # Checks the ended records notifications hand to ``wait`` (False: no secret, none taken).
-    _signer: Any = None
+    # Checks the ended records notifications hand to ``wait`` (made on the first wake-up).
+    _signer: notify.RecordSigner | None = None
 
     @property
     def app(self) -> hints.Celery:
@@ -67,16 +67,12 @@ class SessionMethods:
             self._watcher = notify.CallWatcher(connector(self.settings))
         return self._watcher
 
-    def _secret(self) -> str | None:
-        secret = self.settings.secret_key
-        return secret.get_secret_value() if secret is not None else None
-
     def _handed(self, watch: Any, key: str) -> hints.ToolCallRecord | None:
-        """The ended record the notification that woke ``watch`` carried (signed with our
-        secret, checked here), or None: then the store is read."""
+        """The ended record the notification that woke ``watch`` carried (signed with the
+        store's key, checked here), or None: then the store is read."""
         if self._signer is None:
-            self._signer = notify.record_serializer(self._secret()) or False
-        record = notify.ended_record(watch.message, self._signer or None, key)
+            self._signer = announce.record_signer(self.store)
+        record = notify.ended_record(watch.message, self._signer.serializer(), key)
         if record is None:
             return None
         handed = ToolCallRecord.from_mapping(record)
@@ -107,9 +103,9 @@ class SessionMethods:
         """Block until the call is terminal and return it; ``TimeoutError`` after ``timeout``.
 
         Woken by the Redis notification sent when the call ends (see ``notify.py``), which
-        hands over the ended record (signed with ``DEX_SECRET_KEY``, checked here), so it is
-        in hand as soon as it is stored, with no read of the store. Without a secret, or a
-        notification that did not carry it, the store is read on every wake-up, and every
+        hands over the ended record (signed with the store's key, checked here), so it is
+        in hand as soon as it is stored, with no read of the store. Without a notification
+        that carried it, the store is read on every wake-up, and every
         ``wait_poll_seconds`` regardless, in case a notification was lost; while Redis cannot
         be reached it is read every 5 ms, doubling up to 200 ms.
         """

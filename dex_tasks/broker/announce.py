@@ -28,11 +28,12 @@ from redis.retry import Retry
 
 from dex_tasks.broker.metrics import ENDED_KEY, count_ended, ended_counts
 from dex_tasks.broker.notify import (
+    RECORD_KEY_NAME,
     REDIS_TIMEOUT_SECONDS,
     Connect,
+    RecordSigner,
     ended_channel,
     ended_message,
-    record_serializer,
     redis_connector,
 )
 from dex_tasks.broker.routing import CLAIM_KEY
@@ -138,12 +139,12 @@ class EndedNotifier:
     """
 
     def __init__(self, target: str, connect: Connect, *, scripted: bool = True,
-                 claim_ended_ttl: int = 60, secret: str | None = None) -> None:
+                 claim_ended_ttl: int = 60, signer: RecordSigner | None = None) -> None:
         self.target = target
         self.claim_ended_ttl = claim_ended_ttl
         self._connect = connect
-        # Signs the ended records handed to waiters (none without a secret).
-        self.signer = record_serializer(secret)
+        # Signs the ended records handed to waiters (None: each announces only the status).
+        self.signer = signer
         self._client: redis.Redis | None = None
         self._quiet_until = 0.0
         self._failing = False
@@ -199,8 +200,9 @@ class EndedNotifier:
             keys += (run_key(key), attempts_key(key))
             args += (owner, key)
         args.append(len(ended))
+        signer = self.signer.serializer() if self.signer is not None else None
         for call in ended:
-            args += (ended_channel(call.key), ended_message(call, self.signer))
+            args += (ended_channel(call.key), ended_message(call, signer))
         args.append(len(counts))
         for name, n in counts.items():
             args += (name, n)
@@ -242,8 +244,9 @@ class EndedNotifier:
         # their calls ended and drops them).
         for key, _ in ended_runs(ended):
             pipe.delete(attempts_key(key))
+        signer = self.signer.serializer() if self.signer is not None else None
         for call in ended:
-            pipe.publish(ended_channel(call.key), ended_message(call, self.signer))
+            pipe.publish(ended_channel(call.key), ended_message(call, signer))
         count_ended(pipe, ended)
         pipe.execute()
 
@@ -255,19 +258,23 @@ class EndedNotifier:
 
 
 def install(store: Store, redis_url: str, connect: Connect | None = None, *,
-            claim_ended_ttl: int = 60, secret: str | None = None) -> EndedNotifier:
-    """Make every call ``store`` ends announced on the Redis at ``redis_url`` (and counted);
+            claim_ended_ttl: int = 60) -> EndedNotifier:
+    """Make every call ``store`` ends announced on the Redis at ``redis_url`` (and counted),
+    with its ended record signed with the store's shared key (``notify.RecordSigner``);
     returns the store's notifier (the one already installed for that Redis, if any).
     ``connect`` makes its Redis clients (default: :func:`redis_connector` of the URL);
     ``claim_ended_ttl`` is what is left of an ended single-attempt call's claim
-    (``DexSettings.claim_ended_ttl_seconds``); ``secret`` (``DEX_SECRET_KEY``) signs the ended
-    records it hands to waiters."""
+    (``DexSettings.claim_ended_ttl_seconds``)."""
     for hook in store.ended_hooks():
         if isinstance(hook, EndedNotifier) and hook.target == redis_url:
-            if secret and hook.signer is None:
-                hook.signer = record_serializer(secret)
             return hook
     notifier = EndedNotifier(redis_url, connect or redis_connector(redis_url),
-                             claim_ended_ttl=claim_ended_ttl, secret=secret)
+                             claim_ended_ttl=claim_ended_ttl,
+                             signer=record_signer(store))
     store.on_calls_ended(notifier)
     return notifier
+
+
+def record_signer(store: Store) -> RecordSigner:
+    """The signer of ``store``'s ended records: the store's own key, read on first use."""
+    return RecordSigner(lambda: store.shared_key(RECORD_KEY_NAME))

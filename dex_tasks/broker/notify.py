@@ -4,15 +4,17 @@ Two sides, both on Redis pub/sub, one channel per call (``dex:ended:<key>``):
 
 * **Sending** (``announce.EndedNotifier``, in ``announce.py``): a hook on the store
   (``Store.on_calls_ended``) that, after every commit that ended calls, publishes each call's
-  new status on its channel, with the ended row signed (:func:`ended_message`).
+  new status on its channel, with the ended row signed with the store's shared key
+  (:func:`ended_message`, :class:`RecordSigner`).
 * **Waiting** (:class:`CallWatcher`): one pub/sub connection per client, read by a
   background thread, shared by every ``wait`` of the client (sync and async). A
   waiter reads the store, subscribes to its call's channel and reads the store again on every
-  wake-up: when its subscription is confirmed, when a message arrives, when the connection is
-  lost, and every ``wait_poll_seconds`` regardless. A notification only says "read the store
-  now"; the store stays the one source of truth, so a message that is lost (Redis down, a
-  publish that failed, a subscription confirmed after the call ended) costs at most one poll
-  interval, never a wrong answer.
+  wake-up (when its subscription is confirmed, when the connection is lost, and every
+  ``wait_poll_seconds`` regardless) but the one that hands it the ended record, signed with
+  the store's key. Anything else a notification says only means "read the store now"; the
+  store stays the one source of truth, so a message that is lost (Redis down, a publish that
+  failed, a subscription confirmed after the call ended) costs at most one poll interval,
+  never a wrong answer.
 
 Why pub/sub and not a per-call list with ``BLPOP``: ``BLPOP`` needs no confirmation step, but it
 holds one Redis connection per waiting call (an asyncio agent waiting on 40 calls at once holds
@@ -37,6 +39,8 @@ import redis
 from itsdangerous import BadData, Serializer
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from dex_tasks.errors import DexError
 
 if TYPE_CHECKING:
     from dex_tasks.store import EndedCall
@@ -72,21 +76,59 @@ def ended_channel(key: str) -> str:
 RECORD_SALT = "dex-tasks.ended-record"
 """Salt of the signature of an ended record handed to waiters (apart from the tokens')."""
 
+RECORD_KEY_NAME = "ended-records"
+"""The store's shared key (``Store.shared_key``) ended records are signed with."""
+
+KEY_RETRY_SECONDS = 30.0
+"""How long a process whose store could not give it the key goes without signing or
+believing records before it asks again."""
+
 MAX_RECORD_CHARS = 32_000
 """An ended record longer than this (a large result) is not sent: its waiters read the
-store, as every waiter of a notifier without a secret does."""
+store."""
 
 
-def record_serializer(secret: str | None) -> Serializer[str] | None:
-    """How ended records are signed and checked with ``DEX_SECRET_KEY`` (None without one:
-    then no record travels, and waiters read the store)."""
-    return Serializer(secret, salt=RECORD_SALT) if secret else None
+def record_serializer(key: str) -> Serializer[str]:
+    """How ended records are signed and checked with ``key``."""
+    return Serializer(key, salt=RECORD_SALT)
+
+
+class RecordSigner:
+    """Signs and checks ended records with the key every process of a store shares
+    (``Store.shared_key(RECORD_KEY_NAME)``, read on first use), so they need no setting: a
+    producer, its workers and beat find the same key in the store they share, and someone
+    who can publish on Redis but not read the store cannot make a record a waiter believes.
+
+    While the store cannot give the key (unreachable, or a schema from before it had keys)
+    there is no signer: announcements carry only the status and waiters read the store, as
+    they do for a lost notification; the key is asked for again after
+    :data:`KEY_RETRY_SECONDS`."""
+
+    def __init__(self, key: Callable[[], str]) -> None:
+        self._key = key
+        self._serializer: Serializer[str] | None = None
+        self._retry_at = 0.0
+        self._lock = threading.Lock()
+
+    def serializer(self) -> Serializer[str] | None:
+        """The serializer, or None while the key cannot be read."""
+        if self._serializer is None and time.monotonic() >= self._retry_at:
+            with self._lock:
+                if self._serializer is None and time.monotonic() >= self._retry_at:
+                    try:
+                        self._serializer = record_serializer(self._key())
+                    except DexError as err:
+                        self._retry_at = time.monotonic() + KEY_RETRY_SECONDS
+                        log.warning("the store's key for ended records cannot be read; "
+                                    "waiters read the store until it can", extra={
+                                        "action": "record_key_unavailable", "error": str(err)})
+        return self._serializer
 
 
 def ended_message(call: EndedCall, signer: Serializer[str] | None) -> str:
     """What the end of ``call`` publishes on its channel: its status, then (after a space)
     the ended row, signed, which its waiters take instead of reading the store; or only the
-    status (no secret, a row the ending did not return, or one too large), which makes them
+    status (no signer, a row the ending did not return, or one too large), which makes them
     read it."""
     if signer is None or call.record is None:
         return call.status.value
@@ -103,8 +145,8 @@ def message_status(message: str | bytes) -> str:
 
 def ended_record(message: str | bytes | None, signer: Serializer[str] | None,
                  key: str) -> dict[str, Any] | None:
-    """The ended row of call ``key`` a notification carried, if it is one, signed with our
-    secret, for that call and terminal; None otherwise (read the store). Redis is not
+    """The ended row of call ``key`` a notification carried, if it is one, signed with the
+    store's key, for that call and terminal; None otherwise (read the store). Redis is not
     trusted with a call's outcome: a message anyone could publish is checked first."""
     if signer is None or message is None:
         return None

@@ -4,8 +4,9 @@ queries, one module per role:
 * ``tables.py`` the tables as Core and the statements built once; ``base.py`` connections,
   transactions, retries and the post-commit hooks; ``transitions.py`` the guarded moves;
   ``leases.py`` the claim, leases and the reads of lost work; ``calls.py`` inserts and reads;
-  ``delivery.py`` queued user messages; ``deadlines.py``, ``prune.py``, ``transcript.py``,
-  ``catalog.py`` what the sweeps and clients build on them.
+  ``delivery.py`` queued user messages; ``keys.py`` the keys its processes share;
+  ``deadlines.py``, ``prune.py``, ``transcript.py``, ``catalog.py`` what the sweeps and
+  clients build on them.
 
 
 ``transition`` (and ``transition_many`` for sweeps, and ``claim``, the transition to
@@ -32,6 +33,7 @@ from dex_tasks.store.base import EndedCall, EndedHook, note_ended
 from dex_tasks.store.calls import Calls
 from dex_tasks.store.connections import INHERITED, NetworkBounds, bounded_statements
 from dex_tasks.store.delivery import deliver_ready_messages, lock_session_messages
+from dex_tasks.store.keys import Keys
 from dex_tasks.store.leases import Leases
 from dex_tasks.store.tables import (
     APPROVALS,
@@ -70,7 +72,7 @@ __all__ = [
 ]
 
 
-class Store(Leases, Calls):
+class Store(Leases, Calls, Keys):
     """Access to the SQL store. Safe across fork: a child opens connections of its own.
 
     ``retry_seconds`` bounds how long the store's own operations (transitions, the claim,

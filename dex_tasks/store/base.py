@@ -148,6 +148,8 @@ class StoreBase:
                       for engine in (self.engine, self.read_engine, self.autocommit_engine)
                       if hold_connections}
         self._ended_hooks: list[EndedHook] = []
+        # The store's shared keys read so far, by name (keys.Keys; a key never changes).
+        self.shared_keys: dict[str, str] = {}
         # The webhook outbox (store/webhooks.py): where approval events are sent besides each
         # tool's own URLs, the page link's base, and who publishes a delivery after its commit
         # (broker/webhooks.install sets them from the settings).

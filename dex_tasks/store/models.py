@@ -330,6 +330,18 @@ class CatalogRow(SQLModel, table=True):
     updated_at: float
 
 
+class KeyRow(SQLModel, table=True):
+    """A key the processes sharing this store sign with, made by the first one that needs it
+    (``keys.Keys``): the ended records handed to waiters through Redis are signed with one,
+    so only a process that can read the store can make a record its waiters believe."""
+
+    __tablename__ = "dex_keys"
+
+    name: str = Field(primary_key=True, max_length=64)
+    value: str = Field(max_length=128)
+    created_at: float
+
+
 class CheckpointRow(SQLModel, table=True):
     """A LangGraph checkpoint (``DexCheckpointer``): the graph's state after one super-step,
     serialised by LangGraph's own serializer (``type`` names its format)."""

@@ -23,6 +23,7 @@ from dex_tasks.store.models import (
     CallEventRow,
     CatalogRow,
     InterruptRow,
+    KeyRow,
     MessageRow,
     ToolCallRow,
     TurnRow,
@@ -39,6 +40,7 @@ MESSAGES = MessageRow.__table__  # type: ignore[attr-defined]
 TURNS = TurnRow.__table__  # type: ignore[attr-defined]
 APPROVALS = ApprovalVoteRow.__table__  # type: ignore[attr-defined]
 WEBHOOKS = WebhookRow.__table__  # type: ignore[attr-defined]
+KEYS = KeyRow.__table__  # type: ignore[attr-defined]
 
 
 def readable_calls(rows: Iterable[Any]) -> list[ToolCallRow]:

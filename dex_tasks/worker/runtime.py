@@ -36,12 +36,10 @@ class Runtime:
         self.ends = EndCommits(self.store, self.settings.end_commit_hold_seconds)
         # Every runtime ends calls (worker children, the main process, sweeps): announce each
         # one on Redis after its commit, which wakes its waiters and counts it for /metrics.
-        # Signed with DEX_SECRET_KEY, the ended record travels with the announcement, and its
-        # waiters need no read of the store.
-        secret = self.settings.secret_key
+        # The ended record travels with the announcement, signed with the store's key, and
+        # its waiters need no read of the store.
         announce.install(self.store, self.settings.redis_url, connector(self.settings),
-                         claim_ended_ttl=self.settings.claim_ended_ttl_seconds,
-                         secret=secret.get_secret_value() if secret is not None else None)
+                         claim_ended_ttl=self.settings.claim_ended_ttl_seconds)
         # Approval events it writes (the deadline sweeps) are sent as webhooks after commit.
         webhooks.install(self.store, self.settings, lambda: self.app)
 
