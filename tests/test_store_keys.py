@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import text
 
 from dex_tasks import StoreUnavailableError
-from dex_tasks.broker import announce, notify
+from dex_tasks.broker import notify
 from dex_tasks.store import Store
 from dex_tasks.store.tables import KEYS
 from tests.helpers import open_store, race_in_processes, wait_until
@@ -71,7 +71,7 @@ def test_the_signer_does_without_a_key_the_store_cannot_give_and_asks_again_late
         # that does not answer)
         with store.write() as conn:
             conn.execute(text("DROP TABLE dex_keys"))
-        signer = announce.record_signer(store)
+        signer = notify.RecordSigner(store)
 
         # When the signer is asked for its serializer
         with caplog.at_level(logging.WARNING, logger="dex_tasks.broker.notify"):

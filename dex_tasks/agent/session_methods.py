@@ -23,7 +23,7 @@ from dex_tasks.states import CallStatus
 # dex_tasks.lazy): ``from dex_tasks import DexClient`` stays cheap.
 if TYPE_CHECKING:
     from dex_tasks.agent import approvals, session_views, turns
-    from dex_tasks.broker import announce, metrics, notify
+    from dex_tasks.broker import metrics, notify
     from dex_tasks.broker.redis_clients import connector
     from dex_tasks.store import transcript
     from dex_tasks.store.models import ToolCallRow
@@ -32,7 +32,7 @@ else:
     _deferred = Deferred(globals())
     approvals, session_views, turns = _deferred("dex_tasks.agent", "approvals", "session_views",
                                                   "turns")
-    announce, metrics, notify = _deferred("dex_tasks.broker", "announce", "metrics", "notify")
+    metrics, notify = _deferred("dex_tasks.broker", "metrics", "notify")
     connector = _deferred("dex_tasks.broker.redis_clients", "connector")
     transcript = _deferred("dex_tasks.store", "transcript")
     ToolCallRow = _deferred("dex_tasks.store.models", "ToolCallRow")
@@ -71,7 +71,7 @@ class SessionMethods:
         """The ended record the notification that woke ``watch`` carried (signed with the
         store's key, checked here), or None: then the store is read."""
         if self._signer is None:
-            self._signer = announce.record_signer(self.store)
+            self._signer = notify.RecordSigner(self.store)
         record = notify.ended_record(watch.message, self._signer.serializer(), key)
         if record is None:
             return None

@@ -28,7 +28,6 @@ from redis.retry import Retry
 
 from dex_tasks.broker.metrics import ENDED_KEY, count_ended, ended_counts
 from dex_tasks.broker.notify import (
-    RECORD_KEY_NAME,
     REDIS_TIMEOUT_SECONDS,
     Connect,
     RecordSigner,
@@ -270,11 +269,6 @@ def install(store: Store, redis_url: str, connect: Connect | None = None, *,
             return hook
     notifier = EndedNotifier(redis_url, connect or redis_connector(redis_url),
                              claim_ended_ttl=claim_ended_ttl,
-                             signer=record_signer(store))
+                             signer=RecordSigner(store))
     store.on_calls_ended(notifier)
     return notifier
-
-
-def record_signer(store: Store) -> RecordSigner:
-    """The signer of ``store``'s ended records: the store's own key, read on first use."""
-    return RecordSigner(lambda: store.shared_key(RECORD_KEY_NAME))

@@ -43,7 +43,7 @@ from redis.retry import Retry
 from dex_tasks.errors import DexError
 
 if TYPE_CHECKING:
-    from dex_tasks.store import EndedCall
+    from dex_tasks.store import EndedCall, Store
 
 log = logging.getLogger("dex_tasks.broker.notify")
 
@@ -104,8 +104,8 @@ class RecordSigner:
     they do for a lost notification; the key is asked for again after
     :data:`KEY_RETRY_SECONDS`."""
 
-    def __init__(self, key: Callable[[], str]) -> None:
-        self._key = key
+    def __init__(self, store: Store) -> None:
+        self._store = store
         self._serializer: Serializer[str] | None = None
         self._retry_at = 0.0
         self._lock = threading.Lock()
@@ -116,7 +116,8 @@ class RecordSigner:
             with self._lock:
                 if self._serializer is None and time.monotonic() >= self._retry_at:
                     try:
-                        self._serializer = record_serializer(self._key())
+                        self._serializer = record_serializer(
+                            self._store.shared_key(RECORD_KEY_NAME))
                     except DexError as err:
                         self._retry_at = time.monotonic() + KEY_RETRY_SECONDS
                         log.warning("the store's key for ended records cannot be read; "
