@@ -419,6 +419,30 @@ def pgindex(
          populate_ended=ended, command=command, out_dir=_out(out), console=console)
 
 
+@app.command()
+def floor(
+    calls: int | None = typer.Option(None, "--calls", min=1,
+                                     help="Calls per round (default DESIGN's 2,000)."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds (variants alternate)."),
+    store: str = typer.Option("postgres,sqlite", "--store", help="sqlite, postgres or both."),
+    postgres_url: str | None = typer.Option(None, "--postgres-url", help=WORKLOAD_PG_HELP),
+    warmup: int = typer.Option(50, "--warmup", min=1, help="Calls of each before the rounds."),
+    latency_calls: int = typer.Option(200, "--latency-calls", min=0,
+                                      help="One-at-a-time calls of each (0: skip)."),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """Celery, the contract's floor (its four statements by the bare driver) and dex-tasks."""
+    from bench.floor import run_floor_bench
+    from bench.infra import parse_stores
+
+    command = _command("floor", {"--calls": calls, "--rounds": rounds, "--store": store,
+                                 "--latency-calls": latency_calls,
+                                 "--postgres-url": postgres_url and "URL"})
+    _run(run_floor_bench, calls=calls, rounds=rounds, stores=parse_stores(store),
+         postgres_url=postgres_url, warmup=warmup, latency_calls=latency_calls,
+         command=command, out_dir=_out(out), console=console)
+
+
 @app.command(name="all")
 def all_(
     quick: bool = typer.Option(False, "--quick",

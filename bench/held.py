@@ -34,7 +34,7 @@ OPERATIONS = ("insert_call", "get_call", "ending")
 VARIANTS = ("held", "pooled")
 
 
-def _end(store: Store, key: str) -> None:
+def leased_ending(store: Store, key: str) -> None:
     """A leased attempt's ending, as ``endings.finish`` writes it for attempt 1."""
     assert store.transition(
         key, CallStatus.SUCCEEDED, allowed={CallStatus.QUEUED}, match={"attempts": 0},
@@ -54,7 +54,7 @@ def _round(store: Store, calls: int) -> dict[str, float]:
     keys = [f"s{i % 20}/t/{uuid.uuid4().hex[:10]}" for i in range(calls)]
     return {"insert_call": _timed(lambda k: store.insert_call(call_row(k, time.time())), keys),
             "get_call": _timed(store.get_call, keys),
-            "ending": _timed(lambda k: _end(store, k), keys)}
+            "ending": _timed(lambda k: leased_ending(store, k), keys)}
 
 
 def run_held(*, calls: int, rounds: int, stores: Sequence[str], postgres_url: str | None,

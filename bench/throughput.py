@@ -245,7 +245,7 @@ class Bench:
                           "-c", str(CONCURRENCY), "--loglevel", self.loglevel],
             dex_env, self.workdir / f"dex-worker-{tag}.log"))
         self.workers.append(WorkerProcess.start(
-            "celery", [*_celery_command(), "-A", "bench.raw_tasks", "worker",
+            "celery", [*celery_command(), "-A", "bench.raw_tasks", "worker",
                        "-c", str(CONCURRENCY), "-P", "prefork", "-Q", raw_tasks.QUEUE,
                        "-n", f"bench-raw-{tag}@%h", "--without-gossip", "--without-mingle",
                        "--loglevel", self.loglevel],
@@ -319,7 +319,8 @@ class Bench:
             worker.stop()
 
 
-def _celery_command() -> list[str]:
+def celery_command() -> list[str]:
+    """The command that starts Celery's own CLI in this Python (the plain-Celery workers)."""
     return [sys.executable, "-m", "celery"]
 
 

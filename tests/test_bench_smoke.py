@@ -10,10 +10,12 @@ import io
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from sqlalchemy import select
 
 from bench.batch import run_batch
 from bench.driver import run_driver
@@ -310,3 +312,75 @@ def test_pgindex_costs_each_hot_statement_and_index_and_explains_the_reads(
     assert any("dex_tool_calls" in plan for plan in data["hot_plans"])
     assert [r["query"] for r in data["read_plans"]] == list(read_queries(0.0))
     assert all(r["custom"] and r["generic"] for r in data["read_plans"])
+
+
+def test_floor_runs_celery_the_contracts_floor_and_dex_tasks_side_by_side(
+    tmp_path: Path,
+) -> None:
+    from bench.floor import CPU_GROUPS, VARIANTS, run_floor_bench
+
+    data = _written(run_floor_bench(
+        calls=12, rounds=1, stores=["sqlite"], postgres_url=None, warmup=2, latency_calls=2,
+        command="python -m bench floor --calls 12", out_dir=tmp_path, console=_quiet()),
+        tmp_path)
+
+    assert data["command"] == "python -m bench floor --calls 12"
+    [store] = data["stores"]
+    assert [r["variant"] for r in store["rows"]] == list(VARIANTS)
+    for row in store["rows"]:
+        assert row["calls_per_s"] > 0 and row["one_p50_ms"] > 0, row
+        assert set(row["cpu_us_per_call"]) == set(CPU_GROUPS), row
+    assert store["rows"][0]["vs_raw"] == 1.0  # Celery against itself
+    assert len(store["runs"]) == len(VARIANTS)
+
+
+def test_the_floor_writes_the_rows_the_store_writes_for_a_call(database_url: str) -> None:
+    """The floor is only a floor if it does the store's work: the same rows, events and tool
+    message for a call requested, read and ended (the store's leased ending, as a worker's
+    child writes it)."""
+    from bench.floor_tasks import Floor
+    from bench.held import leased_ending
+    from dex_tasks.store import CALLS, EVENTS, MESSAGES, Store
+
+    store = Store(database_url)
+    store.create_all()
+    floor = Floor(database_url)
+    try:
+        now = time.time()
+        store.insert_call({"key": "s/t/store", "session_id": "s", "turn_id": "t",
+                           "tool_call_id": "c", "tool": "noop", "arguments": "{}",
+                           "effect": "read", "requires_approval": False, "max_attempts": 3,
+                           "status": "queued", "attempts": 0, "created_at": now,
+                           "updated_at": now})
+        assert store.get_call("s/t/store") is not None
+        leased_ending(store, "s/t/store")
+        floor.insert("s/t/floor", "s", "t", "c", "noop")
+        assert floor.read("s/t/floor") == "queued"
+        floor.end("s/t/floor", "bench@host:1", time.time())
+        floor.end("s/t/floor", "bench@host:1", time.time())  # ended: changes nothing
+        assert floor.read("s/t/floor") == "succeeded"
+
+        def written(key: str) -> tuple[Any, ...]:
+            with store.read() as conn:
+                call = conn.execute(select(CALLS.c.status, CALLS.c.prev_status,
+                                           CALLS.c.attempts, CALLS.c.result, CALLS.c.worker,
+                                           CALLS.c.lease_expires_at)
+                                    .where(CALLS.c.key == key)).one()
+                events = conn.execute(select(EVENTS.c.session_id, EVENTS.c.event,
+                                             EVENTS.c.from_status, EVENTS.c.to_status)
+                                      .where(EVENTS.c.key == key)
+                                      .order_by(EVENTS.c.id)).all()
+                messages = conn.execute(select(
+                    MESSAGES.c.session_id, MESSAGES.c.role, MESSAGES.c.turn_id,
+                    MESSAGES.c.tool_call_id, MESSAGES.c.tool, MESSAGES.c.call_status,
+                    MESSAGES.c.tool_arguments, MESSAGES.c.tool_output, MESSAGES.c.status,
+                    MESSAGES.c.step).where(MESSAGES.c.key == key)).all()
+            return tuple(call), [tuple(e) for e in events], [tuple(m) for m in messages]
+
+        ours, theirs = written("s/t/floor"), written("s/t/store")
+        assert ours == theirs
+        assert [e[1] for e in ours[1]] == ["tool_call_requested", "tool_call_started",
+                                           "tool_call_finished"]
+    finally:
+        floor.close()
+        store.close()

@@ -1,0 +1,351 @@
+"""``python -m bench floor``: plain Celery, the contract's floor and dex-tasks side by side on
+DESIGN's workload (issue 29).
+
+Three variants, on one private Redis with AOF and one fresh store per store kind, each with its
+own prefork ``-c 2`` worker at ``-l warning``, alternating round by round:
+
+* ``Celery``: the no-op task, JSON, Redis result backend (``bench/raw_tasks.py``);
+* ``floor``: the same four statements as a dex-tasks call of a retrying class, on the store's
+  own tables and indexes, sent by the DB-API driver alone, on plain Celery with late acks
+  (``bench/floor_tasks.py``);
+* ``dex-tasks``: ``call_tool`` and ``wait``.
+
+Throughput is DESIGN's: one producer sends 2,000 calls (a hundred calls and turns in each of
+20 sessions), then waits for each in order; CPU per call is taken by process from
+``/proc/<pid>/stat`` (the database server with its backends on a private PostgreSQL). Then the
+same three one call at a time, interleaved, p50 by the caller's clock.
+
+What lies between Celery and the floor is what the contract's database work costs on this
+schema, whoever writes it; what lies between the floor and dex-tasks is dex-tasks' own code
+(its Python, SQLAlchemy, the run's lease in Redis, the signed record, policy and checks).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from rich.console import Console
+from rich.table import Table
+
+from bench import floor_tasks
+from bench.cpu import CpuMeter, children, fixed, per_call_us, tree
+from bench.infra import (
+    READ_TOOL,
+    BenchError,
+    RedisServer,
+    WorkerProcess,
+    child_env,
+    fresh_store,
+    machine_info,
+    median,
+    postgres_version,
+    reset_statement_stats,
+    save_results,
+    statement_stats,
+)
+from bench.latency import one_dex, one_raw
+from bench.throughput import CONCURRENCY, WAIT_TIMEOUT, Bench, celery_command
+from bench.workload import DESIGN, Shape, postgres_for, purge, run_dex, run_raw, scaled
+
+VARIANTS = ("raw", "floor", "dex")
+LABELS = {"raw": "Celery", "floor": "floor", "dex": "dex-tasks"}
+FLOOR_DB = 3  # the private Redis's database of the floor's broker and announcements
+CPU_GROUPS = ("producer", "worker main", "children", "redis", "database", "total")
+
+
+@dataclass
+class FloorBench:
+    """The floor's worker and the producer's side of it, beside a store's :class:`Bench`."""
+
+    bench: Bench
+    database_url: str
+    worker: WorkerProcess | None = None
+    app: Celery | None = None
+    floor: floor_tasks.Floor | None = None
+    waiter: floor_tasks.Waiter | None = None
+    sent: int = field(default=0)
+
+    def start(self) -> FloorBench:
+        broker = self.bench.redis_server.url(FLOOR_DB)
+        env = child_env({"BENCH_FLOOR_BROKER": broker,
+                         "BENCH_FLOOR_DATABASE": self.database_url})
+        tag = uuid.uuid4().hex[:6]
+        self.worker = WorkerProcess.start(
+            "celery", [*celery_command(), "-A", "bench.floor_tasks", "worker",
+                       "-c", str(CONCURRENCY), "-P", "prefork", "-Q", floor_tasks.QUEUE,
+                       "-n", f"bench-floor-{tag}@%h", "--without-gossip", "--without-mingle",
+                       "--loglevel", "WARNING"],
+            env, self.bench.workdir / f"floor-worker-{tag}.log")
+        self.app = floor_tasks.create_app(broker)
+        self.floor = floor_tasks.Floor(self.database_url)
+        self.waiter = floor_tasks.Waiter(broker)
+        self.worker.wait_children(CONCURRENCY)
+        return self
+
+    def check_alive(self) -> None:
+        self.bench.check_alive()
+        assert self.worker is not None
+        self.worker.check_alive()
+
+    def send(self, session_id: str, turn_id: str, tool_call_id: str) -> str:
+        """The floor's ``call_tool``: the row, then the message; the call's key."""
+        assert self.app is not None and self.floor is not None
+        self.sent += 1
+        key = f"floor-{os.getpid()}-{self.sent}"
+        self.floor.insert(key, session_id, turn_id, tool_call_id, READ_TOOL)
+        self.app.tasks[floor_tasks.TASK].apply_async(args=[key])
+        return key
+
+    def wait(self, key: str) -> None:
+        assert self.waiter is not None and self.floor is not None
+        self.waiter.wait(self.floor, key, WAIT_TIMEOUT)
+
+    def stop(self) -> None:
+        if self.waiter is not None:
+            self.waiter.close()
+        if self.floor is not None:
+            self.floor.close()
+        if self.worker is not None:
+            self.worker.stop()
+
+
+def run_floor(fb: FloorBench, shape: Shape, tag: str) -> None:
+    """DESIGN's rounds on the floor: send each call, then wait for each in order."""
+    keys = []
+    for i in range(shape.calls):
+        session, turn = shape.place(i)
+        keys.append(fb.send(f"{tag}-{session}", turn, f"c{i}"))
+    for key in keys:
+        fb.wait(key)
+
+
+def one_floor(fb: FloorBench, i: int) -> float:
+    """One floor call made alone: seconds from the send to the waiter's answer."""
+    t0 = time.perf_counter()
+    fb.wait(fb.send(f"one-floor-{i // 10}", "t", f"c{i}"))
+    return time.perf_counter() - t0
+
+
+def groups(fb: FloorBench, variant: str, db_pid: int | None) -> dict[str, Any]:
+    """The processes a variant's round is charged: the producer, its worker, Redis, and the
+    database server for the two that use it."""
+    bench = fb.bench
+    worker = {"dex": bench.workers[0], "raw": bench.workers[1], "floor": fb.worker}[variant]
+    assert worker is not None and bench.redis_server.proc is not None
+    out = {"producer": fixed(os.getpid()), "worker main": fixed(worker.pid),
+           "children": children(worker.pid), "redis": fixed(bench.redis_server.proc.pid)}
+    if db_pid is not None and variant != "raw":
+        out["database"] = tree(db_pid)
+    return out
+
+
+def statements_engine(database_url: str) -> Any:
+    """An engine that may read pg_stat_statements in the store's database (the private server
+    preloads it; the extension is made there on first use)."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(database_url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(text("CREATE EXTENSION IF NOT EXISTS pg_stat_statements"))
+    return engine
+
+
+def per_call(stats: list[dict[str, Any]], calls: int) -> list[dict[str, Any]]:
+    """pg_stat_statements' rows as figures per call, the costliest first; statements run
+    less than once per ten calls (publish marks, sweeps) summed in one row."""
+    stats = sorted(stats, key=lambda s: -float(s["total_exec_time"]))
+    rows = [s for s in stats if int(s["calls"]) * 10 >= calls]
+    rest = [s for s in stats if int(s["calls"]) * 10 < calls]
+    rows.append({"query": "(every other statement)",
+                 **{f: sum(float(s[f]) for s in rest)
+                    for f in ("calls", "total_exec_time", "wal_bytes", "shared_blks_hit")}})
+    return [{"per_call": round(float(r["calls"]) / calls, 2),
+             "exec_us_per_call": round(float(r["total_exec_time"]) * 1000 / calls, 1),
+             "wal_bytes_per_call": round(float(r["wal_bytes"]) / calls),
+             "blocks_hit_per_call": round(float(r["shared_blks_hit"]) / calls, 1),
+             "statement": " ".join(str(r["query"]).split())}
+            for r in rows]
+
+
+def measure(fb: FloorBench, variant: str, shape: Shape, tag: str,
+            db_pid: int | None) -> dict[str, Any]:
+    """One round of one variant: calls/s and CPU per call by process (and, on a private
+    PostgreSQL, what the server ran for it)."""
+    fb.check_alive()
+    statements = None
+    if db_pid is not None and variant != "raw":
+        statements = statements_engine(fb.database_url)
+        reset_statement_stats(statements)
+    meter = CpuMeter(groups(fb, variant, db_pid)).start()
+    start = time.perf_counter()
+    try:
+        if variant == "raw":
+            failures = run_raw(fb.bench, shape.calls)
+        elif variant == "dex":
+            failures = run_dex(fb.bench, shape, tag)
+        else:
+            run_floor(fb, shape, tag)
+            failures = 0
+    except TimeoutError as err:
+        fb.check_alive()
+        raise BenchError(f"{variant}: {err}") from err
+    elapsed = time.perf_counter() - start
+    cpu = per_call_us(meter.stop(), shape.calls)
+    if failures:
+        raise BenchError(f"{variant}: {failures} of {shape.calls} calls failed")
+    run = {"variant": variant, "calls": shape.calls, "elapsed_s": elapsed,
+           "rate": shape.calls / elapsed, "cpu_us": cpu}
+    if statements is not None:
+        run["statements"] = per_call(statement_stats(statements), shape.calls)
+        statements.dispose()
+    return run
+
+
+def run_store(fb: FloorBench, kind: str, shape: Shape, rounds: int, warmup: int,
+              latency_calls: int, db_pid: int | None, say: Any) -> dict[str, Any]:
+    """Every round of every variant on one store, then one call at a time."""
+    runs: list[dict[str, Any]] = []
+    purge(fb.bench)
+    warm = replace(shape, calls=warmup)
+    run_raw(fb.bench, warmup)
+    run_dex(fb.bench, warm, f"warm-{kind}")
+    run_floor(fb, warm, f"warm-{kind}")
+    for rnd in range(rounds):
+        order = VARIANTS[rnd % 3:] + VARIANTS[:rnd % 3]
+        for variant in order:
+            say(f"{kind}: round {rnd + 1}/{rounds}, {LABELS[variant]}")
+            runs.append({"round": rnd, **measure(fb, variant, shape, f"{kind}{rnd}", db_pid)})
+        purge(fb.bench)
+    one: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    keys: list[str] = []
+    if latency_calls:
+        say(f"{kind}: one call at a time")
+    for i in range(latency_calls + 5):  # the first five warm each path
+        raw = one_raw(fb.bench)[1]
+        floor = one_floor(fb, i)
+        dex = one_dex(fb.bench, "read", f"one-{kind}", i, keys)[1]
+        if i >= 5:
+            for variant, seconds in (("raw", raw), ("floor", floor), ("dex", dex)):
+                one[variant].append(seconds)
+    return summarize(kind, runs, one)
+
+
+def summarize(kind: str, runs: list[dict[str, Any]],
+              one: dict[str, list[float]]) -> dict[str, Any]:
+    """Per variant: calls/s and CPU per call (medians of the rounds), each round's ratio to
+    Celery's of the same round; one call at a time p50 and its ratio."""
+    raw = {r["round"]: r for r in runs if r["variant"] == "raw"}
+    rows = []
+    for variant in VARIANTS:
+        mine = [r for r in runs if r["variant"] == variant]
+        cpu = {name: round(median([r["cpu_us"].get(name, 0.0) for r in mine]), 1)
+               for name in CPU_GROUPS}
+        ratios = [r["rate"] / raw[r["round"]]["rate"] for r in mine]
+        p50 = median(one[variant]) if one[variant] else None
+        raw_p50 = median(one["raw"]) if one["raw"] else None
+        rows.append({
+            "store": kind, "variant": variant,
+            "calls_per_s": round(median([r["rate"] for r in mine]), 1),
+            "vs_raw": round(median(ratios), 3), "vs_raw_rounds": [round(x, 3) for x in ratios],
+            "cpu_us_per_call": cpu,
+            "one_p50_ms": None if p50 is None else round(p50 * 1000, 3),
+            "one_vs_raw": None if p50 is None or not raw_p50 else round(p50 / raw_p50, 3),
+            "statements": mine[-1].get("statements", []),
+        })
+    return {"store": kind, "rows": rows,
+            "runs": [{**{k: v for k, v in r.items() if k != "statements"},
+                      "elapsed_s": round(r["elapsed_s"], 4), "rate": round(r["rate"], 1),
+                      "cpu_us": {k: round(v, 1) for k, v in r["cpu_us"].items()}}
+                     for r in runs]}
+
+
+def print_tables(console: Console, stores: list[dict[str, Any]]) -> None:
+    table = Table(title="DESIGN's throughput: Celery, the contract's floor (the same four "
+                        "statements by the bare driver on plain Celery), dex-tasks")
+    for column in ("store", "variant", "calls/s", "vs Celery", "rounds",
+                   *(f"{g} µs" for g in CPU_GROUPS), "one p50 ms", "one vs Celery"):
+        table.add_column(column, justify="left" if column in ("store", "variant") else "right")
+    for store in stores:
+        for row in store["rows"]:
+            cpu = row["cpu_us_per_call"]
+            table.add_row(row["store"], LABELS[row["variant"]], f"{row['calls_per_s']:.0f}",
+                          f"{row['vs_raw']:.2f}x",
+                          ", ".join(f"{x:.2f}" for x in row["vs_raw_rounds"]),
+                          *(f"{cpu[g]:,.0f}" if cpu[g] else "-" for g in CPU_GROUPS),
+                          "-" if row["one_p50_ms"] is None else f"{row['one_p50_ms']:.2f}",
+                          "-" if row["one_vs_raw"] is None else f"{row['one_vs_raw']:.2f}x")
+    table.caption = ("CPU: user + system per call from /proc/<pid>/stat, medians of the rounds; "
+                     "database: the private PostgreSQL server and its backends (SQLite runs "
+                     "inside the producer and the children)")
+    console.print(table)
+    statements = Table(title="PostgreSQL per call, the last round's statements "
+                             "(pg_stat_statements on the private server)")
+    for column in ("variant", "runs per call", "exec µs per call", "WAL bytes per call",
+                   "blocks hit per call", "statement"):
+        statements.add_column(column, justify="left" if column in ("variant", "statement")
+                              else "right")
+    for store in stores:
+        for row in store["rows"]:
+            for stmt in row["statements"]:
+                statements.add_row(LABELS[row["variant"]], f"{stmt['per_call']:.2f}",
+                                   f"{stmt['exec_us_per_call']:.1f}",
+                                   f"{stmt['wal_bytes_per_call']:,}",
+                                   f"{stmt['blocks_hit_per_call']:.1f}",
+                                   stmt["statement"][:90])
+    if statements.row_count:
+        statements.caption = ("exec: the executor's time alone (no parse, network or commit, "
+                              "which the database's CPU above includes)")
+        console.print(statements)
+
+
+def run_floor_bench(*, calls: int | None, rounds: int, stores: list[str],
+                    postgres_url: str | None, warmup: int, latency_calls: int, command: str,
+                    out_dir: Path | None = None,
+                    console: Console | None = None) -> dict[str, Any]:
+    """The three variants on every store; prints the table and writes the JSON results."""
+    if rounds < 1 or warmup < 1 or latency_calls < 0:
+        raise BenchError("--rounds and --warmup must be at least 1, --latency-calls not "
+                         "negative")
+    console = console or Console()
+    shape = scaled(DESIGN, calls)
+    workdir = Path(tempfile.mkdtemp(prefix="dex-bench-floor-"))
+    redis_server = RedisServer(aof=True).start()
+    machine = machine_info(redis_server)
+    results: list[dict[str, Any]] = []
+    try:
+        for kind in stores:
+            with ExitStack() as stack:
+                admin, db_pid = stack.enter_context(postgres_for(kind, postgres_url, workdir))
+                if admin:
+                    machine["postgres_server"] = postgres_version(admin)
+                url = stack.enter_context(fresh_store(kind, admin, workdir))
+                console.log(f"{kind}: starting the workers")
+                bench = Bench(redis_server, url, workdir, "WARNING")
+                stack.callback(bench.stop)
+                bench.start()  # the dex-tasks worker makes the store's tables
+                fb = FloorBench(bench, url)
+                stack.callback(fb.stop)
+                fb.start()
+                results.append(run_store(fb, kind, shape, rounds, warmup, latency_calls,
+                                         db_pid, lambda s: console.log(s)))
+    finally:
+        redis_server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+        machine["loadavg_after"] = list(os.getloadavg())
+    console.print(f"[bold]{command}[/bold]")
+    print_tables(console, results)
+    payload = {"command": command, "machine": machine,
+               "config": {"shape": shape.describe(), "calls": shape.calls, "rounds": rounds,
+                          "warmup": warmup, "latency_calls": latency_calls,
+                          "workers": "prefork -c 2 -l warning each", "stores": stores},
+               "stores": results}
+    return save_results("floor", payload, out_dir, console)
