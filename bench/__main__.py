@@ -431,7 +431,7 @@ def floor(
                                       help="One-at-a-time calls of each (0: skip)."),
     out: str | None = typer.Option(None, "--out", help=OUT_HELP),
 ) -> None:
-    """Celery, the contract's floor (its four statements by the bare driver) and dex-tasks."""
+    """Celery, the contract's floor (its store and Redis work by bare clients) and dex-tasks."""
     from bench.floor import run_floor_bench
     from bench.infra import parse_stores
 

@@ -5,9 +5,10 @@ Three variants, on one private Redis with AOF and one fresh store per store kind
 own prefork ``-c 2`` worker at ``-l warning``, alternating round by round:
 
 * ``Celery``: the no-op task, JSON, Redis result backend (``bench/raw_tasks.py``);
-* ``floor``: the same four statements as a dex-tasks call of a retrying class, on the store's
-  own tables and indexes, sent by the DB-API driver alone, on plain Celery with late acks
-  (``bench/floor_tasks.py``);
+* ``floor``: what DESIGN asks of a dex-tasks call of a retrying class (its four statements on
+  the store's own tables and indexes, the session's delivery check, the attempt's lease in
+  Redis, the announcement), sent by the bare DB-API driver and plain Redis commands, on plain
+  Celery with late acks (``bench/floor_tasks.py``);
 * ``dex-tasks``: ``call_tool`` and ``wait``.
 
 Throughput is DESIGN's: one producer sends 2,000 calls (a hundred calls and turns in each of
@@ -15,9 +16,10 @@ Throughput is DESIGN's: one producer sends 2,000 calls (a hundred calls and turn
 ``/proc/<pid>/stat`` (the database server with its backends on a private PostgreSQL). Then the
 same three one call at a time, interleaved, p50 by the caller's clock.
 
-What lies between Celery and the floor is what the contract's database work costs on this
-schema, whoever writes it; what lies between the floor and dex-tasks is dex-tasks' own code
-(its Python, SQLAlchemy, the run's lease in Redis, the signed record, policy and checks).
+What lies between Celery and the floor is what the contract's store and Redis work costs,
+whoever writes it; what lies between the floor and dex-tasks is dex-tasks' own code (its
+Python, SQLAlchemy, the attempt count and metrics kept in Redis, the signed record, policy,
+validation and tracing).
 """
 
 from __future__ import annotations
@@ -269,8 +271,8 @@ def summarize(kind: str, runs: list[dict[str, Any]],
 
 
 def print_tables(console: Console, stores: list[dict[str, Any]]) -> None:
-    table = Table(title="DESIGN's throughput: Celery, the contract's floor (the same four "
-                        "statements by the bare driver on plain Celery), dex-tasks")
+    table = Table(title="DESIGN's throughput: Celery, the contract's floor (its store and "
+                        "Redis work by the bare clients on plain Celery), dex-tasks")
     for column in ("store", "variant", "calls/s", "vs Celery", "rounds",
                    *(f"{g} µs" for g in CPU_GROUPS), "one p50 ms", "one vs Celery"):
         table.add_column(column, justify="left" if column in ("store", "variant") else "right")

@@ -1,23 +1,27 @@
-"""The contract's floor: what DESIGN's store work costs on plain Celery, with nothing else.
+"""The contract's floor: what DESIGN's work for a call costs on plain Celery, with nothing else.
 
-A call here does the four statements a dex-tasks call of a retrying class does, on the same
-tables and indexes (a store at head), through the thinnest client there is: the DB-API
-driver itself (psycopg with server-side prepared statements, or ``sqlite3``), no SQLAlchemy,
-no policy, no validation, no lease, no signature, no metrics:
+A call here does what DESIGN version 4 asks of a dex-tasks call of a retrying class, on the
+same tables and indexes (a store at head), through the thinnest clients there are: the DB-API
+driver itself (psycopg with server-side prepared statements, or ``sqlite3``) and plain Redis
+commands; no SQLAlchemy, no policy, no argument validation, no signature, no metrics, no
+tracing:
 
 1. the producer inserts the call's row and its ``tool_call_requested`` event (one durable
    commit), then sends a Celery message (late ack, no result backend);
-2. the worker's child reads the call's row, runs the no-op, and ends it in one durable commit:
-   the row moved to ``succeeded`` with its ``tool_call_started`` and ``tool_call_finished``
-   events and its tool message in the transcript; then publishes the end on the call's
-   channel;
+2. the worker's child reads the call's row, takes the attempt's lease in Redis (one ``SET``
+   with an expiry), runs the no-op, and ends the call in one durable commit: the row moved to
+   ``succeeded`` with its ``tool_call_started`` and ``tool_call_finished`` events and its tool
+   message in the transcript, the session's delivery check made as the store makes it (on
+   PostgreSQL its lock and read, ``dex_call_ended_check``); then drops the lease and publishes
+   the end on the call's channel in one round trip;
 3. the waiter reads the row, and when it has not ended, waits for that publish (handed the
    status, as a dex-tasks waiter is handed the signed record).
 
 ``python -m bench floor`` runs it beside plain Celery and dex-tasks: what lies between Celery
-and this is the contract's database work on this schema; what lies between this and dex-tasks
-is dex-tasks' own code. Started as ``celery -A bench.floor_tasks worker -c 2`` with
-``BENCH_FLOOR_BROKER`` (a Redis URL) and ``BENCH_FLOOR_DATABASE`` (the store's SQLAlchemy URL).
+and this is what the contract's store and Redis work costs, whoever writes it; what lies
+between this and dex-tasks is dex-tasks' own code. Started as
+``celery -A bench.floor_tasks worker -c 2`` with ``BENCH_FLOOR_BROKER`` (a Redis URL) and
+``BENCH_FLOOR_DATABASE`` (the store's SQLAlchemy URL).
 """
 
 from __future__ import annotations
@@ -33,9 +37,13 @@ import redis
 from celery import Celery
 from sqlalchemy.engine import make_url
 
+from dex_tasks.store.delivery import DELIVERY_LOCK_SPACE
+
 QUEUE = "bench.floor"
 TASK = "bench.floor_call"
 CHANNEL_PREFIX = "bench:floor:ended:"
+LEASE_PREFIX = "bench:floor:run:"
+LEASE_MS = 60_000
 
 _COLUMNS = ("key, session_id, turn_id, tool_call_id, tool, arguments, effect, "
             "requires_approval, max_attempts, time_limit, status, prev_status, result, error, "
@@ -65,13 +73,19 @@ _END_EVENTS = ("INSERT INTO dex_call_events (session_id, key, event, from_status
                "? FROM dex_tool_calls WHERE key = ? UNION ALL "
                "SELECT session_id, key, 'tool_call_finished', 'running', 'succeeded', ? "
                "FROM dex_tool_calls WHERE key = ?")
+# SQLite: whether the session has user messages waiting for its turn to end, as the store's
+# ending asks (its write transaction already excludes every other writer).
+_END_QUEUED = ("SELECT EXISTS (SELECT 1 FROM dex_messages WHERE status = 'queued' AND "
+               "session_id = (SELECT session_id FROM dex_tool_calls WHERE key = ?))")
 _END_MESSAGE = ("INSERT INTO dex_messages (session_id, role, created_at, turn_id, tool_call_id, "
                 "tool, key, call_status, tool_arguments, tool_output) "
                 "SELECT session_id, 'tool', ?, turn_id, tool_call_id, tool, key, 'succeeded', "
                 "arguments, 'null' FROM dex_tool_calls WHERE key = ?")
-# PostgreSQL: the move, both events and the tool message in one statement.
+# PostgreSQL: the move, both events and the tool message in one statement, with the
+# session's delivery check (the store's function: the session's lock, then its read).
 _END_PG = ("WITH moved AS (" + _END_CALL.replace("?", "%s") +
-           " RETURNING key, session_id, turn_id, tool_call_id, tool, arguments), "
+           " RETURNING key, session_id, turn_id, tool_call_id, tool, arguments, "
+           f"dex_call_ended_check({DELIVERY_LOCK_SPACE}, session_id) AS queued), "
            "events AS (INSERT INTO dex_call_events (session_id, key, event, from_status, "
            "to_status, created_at) SELECT session_id, key, 'tool_call_started', 'queued', "
            "'running', %s FROM moved UNION ALL SELECT session_id, key, 'tool_call_finished', "
@@ -152,6 +166,7 @@ class Floor:
                 (_END_CALL, (worker, now, now, key)),
                 (_END_EVENTS, (started_at, key, now, key)),
                 (_END_MESSAGE, (now, key)),
+                (_END_QUEUED, (key,)),
             ])
         else:
             self._run(_END_PG, (worker, now, now, key, started_at, now, now))
@@ -193,14 +208,19 @@ def _in_child() -> tuple[Floor, redis.Redis]:
 
 
 def floor_call(key: str) -> None:
-    """A worker's part of one call: read, run the no-op, end, announce."""
-    floor, publisher = _in_child()
+    """A worker's part of one call: read, lease, run the no-op, end, drop the lease and
+    announce."""
+    floor, client = _in_child()
     status = floor.read(key)
     if status != "queued":
         return  # ended already, or not stored: nothing to run
     started_at = time.time()
+    client.set(LEASE_PREFIX + key, _worker["name"], px=LEASE_MS)
     floor.end(key, _worker["name"], started_at)
-    publisher.publish(CHANNEL_PREFIX + key, "succeeded")
+    pipe = client.pipeline(transaction=False)
+    pipe.delete(LEASE_PREFIX + key)
+    pipe.publish(CHANNEL_PREFIX + key, "succeeded")
+    pipe.execute()
 
 
 class Waiter:
