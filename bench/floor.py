@@ -56,7 +56,8 @@ from bench.infra import (
 )
 from bench.latency import one_dex, one_raw
 from bench.throughput import CONCURRENCY, WAIT_TIMEOUT, Bench, celery_command
-from bench.workload import DESIGN, Shape, postgres_for, purge, run_dex, run_raw, scaled
+from bench.workload import DESIGN, PHASES, Shape, postgres_for, purge, run_dex, run_raw, scaled
+from bench.workload import phases as workload_phases
 
 VARIANTS = ("raw", "floor", "dex")
 LABELS = {"raw": "Celery", "floor": "floor", "dex": "dex-tasks"}
@@ -130,11 +131,15 @@ def run_floor(fb: FloorBench, shape: Shape, tag: str) -> None:
         fb.wait(key)
 
 
-def one_floor(fb: FloorBench, i: int) -> float:
-    """One floor call made alone: seconds from the send to the waiter's answer."""
+def one_floor(fb: FloorBench, i: int, keys: list[str]) -> tuple[float, float]:
+    """One floor call made alone: (send, total) seconds, as ``latency.one_dex`` gives them;
+    its key is appended to ``keys``."""
     t0 = time.perf_counter()
-    fb.wait(fb.send(f"one-floor-{i // 10}", "t", f"c{i}"))
-    return time.perf_counter() - t0
+    key = fb.send(f"one-floor-{i // 10}", "t", f"c{i}")
+    t1 = time.perf_counter()
+    keys.append(key)
+    fb.wait(key)
+    return t1 - t0, time.perf_counter() - t0
 
 
 def groups(fb: FloorBench, variant: str, db_pid: int | None) -> dict[str, Any]:
@@ -228,21 +233,27 @@ def run_store(fb: FloorBench, kind: str, shape: Shape, rounds: int, warmup: int,
             runs.append({"round": rnd, **measure(fb, variant, shape, f"{kind}{rnd}", db_pid)})
         purge(fb.bench)
     one: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    keys: list[str] = []
+    keys: dict[str, list[str]] = {"floor": [], "dex": []}
+    timeline: dict[str, list[tuple[float, float, float]]] = {"floor": [], "dex": []}
     if latency_calls:
         say(f"{kind}: one call at a time")
     for i in range(latency_calls + 5):  # the first five warm each path
-        raw = one_raw(fb.bench)[1]
-        floor = one_floor(fb, i)
-        dex = one_dex(fb.bench, "read", f"one-{kind}", i, keys)[1]
-        if i >= 5:
-            for variant, seconds in (("raw", raw), ("floor", floor), ("dex", dex)):
-                one[variant].append(seconds)
-    return summarize(kind, runs, one)
+        one["raw"].append(one_raw(fb.bench)[1])
+        for variant in ("floor", "dex"):
+            sent_at = time.time()
+            send, total = (one_floor(fb, i, keys[variant]) if variant == "floor" else
+                           one_dex(fb.bench, "read", f"one-{kind}", i, keys[variant]))
+            one[variant].append(total)
+            timeline[variant].append((sent_at, sent_at + send, sent_at + total))
+    one = {v: samples[5:] for v, samples in one.items()}
+    # Where each one's time goes, from the events its ending wrote (the same rows for both).
+    phases = {v: workload_phases(fb.bench, keys[v][5:], timeline[v][5:])
+              for v in ("floor", "dex") if latency_calls}
+    return summarize(kind, runs, one, phases)
 
 
-def summarize(kind: str, runs: list[dict[str, Any]],
-              one: dict[str, list[float]]) -> dict[str, Any]:
+def summarize(kind: str, runs: list[dict[str, Any]], one: dict[str, list[float]],
+              phases: dict[str, dict[str, float]]) -> dict[str, Any]:
     """Per variant: calls/s and CPU per call (medians of the rounds), each round's ratio to
     Celery's of the same round; one call at a time p50 and its ratio."""
     raw = {r["round"]: r for r in runs if r["variant"] == "raw"}
@@ -262,6 +273,7 @@ def summarize(kind: str, runs: list[dict[str, Any]],
             "one_p50_ms": None if p50 is None else round(p50 * 1000, 3),
             "one_vs_raw": None if p50 is None or not raw_p50 else round(p50 / raw_p50, 3),
             "statements": mine[-1].get("statements", []),
+            "phases_p50_ms": phases.get(variant, {}),
         })
     return {"store": kind, "rows": rows,
             "runs": [{**{k: v for k, v in r.items() if k != "statements"},
@@ -289,6 +301,20 @@ def print_tables(console: Console, stores: list[dict[str, Any]]) -> None:
                      "database: the private PostgreSQL server and its backends (SQLite runs "
                      "inside the producer and the children)")
     console.print(table)
+    phases = Table(title="One call at a time: where the floor's and dex-tasks' time goes, p50 ms "
+                         "of each phase")
+    for column in ("store", "variant", *PHASES):
+        phases.add_column(column, justify="left" if column in ("store", "variant") else "right")
+    for store in stores:
+        for row in store["rows"]:
+            if row["phases_p50_ms"]:
+                phases.add_row(row["store"], LABELS[row["variant"]],
+                               *(f"{row['phases_p50_ms'][p]:.2f}" for p in PHASES))
+    if phases.row_count:
+        phases.caption = ("call_tool: the insert and the publish; to the worker: until its child "
+                          "starts the attempt; in the worker: the call's read, its lease, the "
+                          "tool; back: the ending's commit, the announcement, the wake-up")
+        console.print(phases)
     statements = Table(title="PostgreSQL per call, the last round's statements "
                              "(pg_stat_statements on the private server)")
     for column in ("variant", "runs per call", "exec µs per call", "WAL bytes per call",

@@ -332,6 +332,11 @@ def test_floor_runs_celery_the_contracts_floor_and_dex_tasks_side_by_side(
         assert set(row["cpu_us_per_call"]) == set(CPU_GROUPS), row
     assert store["rows"][0]["vs_raw"] == 1.0  # Celery against itself
     assert len(store["runs"]) == len(VARIANTS)
+    # one call at a time, phase by phase, from the events each one's ending wrote
+    from bench.workload import PHASES
+    for row in store["rows"][1:]:
+        assert list(row["phases_p50_ms"]) == list(PHASES), row
+        assert row["phases_p50_ms"]["call_tool"] > 0, row
 
 
 def test_the_floor_writes_the_rows_the_store_writes_for_a_call(database_url: str) -> None:
