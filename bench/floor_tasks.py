@@ -211,10 +211,11 @@ def floor_call(key: str) -> None:
     """A worker's part of one call: read, lease, run the no-op, end, drop the lease and
     announce."""
     floor, client = _in_child()
+    # The attempt's start, taken where dex-tasks takes it: before the call's read.
+    started_at = time.time()
     status = floor.read(key)
     if status != "queued":
         return  # ended already, or not stored: nothing to run
-    started_at = time.time()
     client.set(LEASE_PREFIX + key, _worker["name"], px=LEASE_MS)
     floor.end(key, _worker["name"], started_at)
     pipe = client.pipeline(transaction=False)
