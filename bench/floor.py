@@ -9,6 +9,11 @@ own prefork ``-c 2`` worker at ``-l warning``, alternating round by round:
   the store's own tables and indexes, the session's delivery check, the attempt's lease in
   Redis, the announcement), sent by the bare DB-API driver and plain Redis commands, on plain
   Celery with late acks (``bench/floor_tasks.py``);
+* ``lean floor``: the floor under a narrower contract, to price what changing DESIGN would
+  buy: the ending writes the end's event alone (the attempt's start in its detail, no
+  ``tool_call_started`` row) and no tool message (a transcript that would read it from the
+  call's row), and the waiter reads nothing (it trusts the announcement its subscription,
+  made before the call was sent, cannot miss): three statements a call, not four;
 * ``dex-tasks``: ``call_tool`` and ``wait``.
 
 Throughput is DESIGN's: one producer sends 2,000 calls (a hundred calls and turns in each of
@@ -59,8 +64,8 @@ from bench.throughput import CONCURRENCY, WAIT_TIMEOUT, Bench, celery_command
 from bench.workload import DESIGN, PHASES, Shape, postgres_for, purge, run_dex, run_raw, scaled
 from bench.workload import phases as workload_phases
 
-VARIANTS = ("raw", "floor", "dex")
-LABELS = {"raw": "Celery", "floor": "floor", "dex": "dex-tasks"}
+VARIANTS = ("raw", "floor", "lean", "dex")
+LABELS = {"raw": "Celery", "floor": "floor", "lean": "lean floor", "dex": "dex-tasks"}
 FLOOR_DB = 3  # the private Redis's database of the floor's broker and announcements
 CPU_GROUPS = ("producer", "worker main", "children", "redis", "database", "total")
 
@@ -99,18 +104,19 @@ class FloorBench:
         assert self.worker is not None
         self.worker.check_alive()
 
-    def send(self, session_id: str, turn_id: str, tool_call_id: str) -> str:
+    def send(self, session_id: str, turn_id: str, tool_call_id: str, lean: bool = False) -> str:
         """The floor's ``call_tool``: the row, then the message; the call's key."""
         assert self.app is not None and self.floor is not None
         self.sent += 1
         key = f"floor-{os.getpid()}-{self.sent}"
         self.floor.insert(key, session_id, turn_id, tool_call_id, READ_TOOL)
-        self.app.tasks[floor_tasks.TASK].apply_async(args=[key])
+        task = floor_tasks.LEAN_TASK if lean else floor_tasks.TASK
+        self.app.tasks[task].apply_async(args=[key])
         return key
 
-    def wait(self, key: str) -> None:
+    def wait(self, key: str, lean: bool = False) -> None:
         assert self.waiter is not None and self.floor is not None
-        self.waiter.wait(self.floor, key, WAIT_TIMEOUT)
+        self.waiter.wait(self.floor, key, WAIT_TIMEOUT, read=not lean)
 
     def stop(self) -> None:
         if self.waiter is not None:
@@ -121,24 +127,26 @@ class FloorBench:
             self.worker.stop()
 
 
-def run_floor(fb: FloorBench, shape: Shape, tag: str) -> None:
-    """DESIGN's rounds on the floor: send each call, then wait for each in order."""
+def run_floor(fb: FloorBench, shape: Shape, tag: str, lean: bool = False) -> None:
+    """DESIGN's rounds on the floor (or the lean floor): send each call, then wait for each
+    in order."""
     keys = []
     for i in range(shape.calls):
         session, turn = shape.place(i)
-        keys.append(fb.send(f"{tag}-{session}", turn, f"c{i}"))
+        keys.append(fb.send(f"{tag}-{session}", turn, f"c{i}", lean))
     for key in keys:
-        fb.wait(key)
+        fb.wait(key, lean)
 
 
-def one_floor(fb: FloorBench, i: int, keys: list[str]) -> tuple[float, float]:
+def one_floor(fb: FloorBench, i: int, keys: list[str],
+              lean: bool = False) -> tuple[float, float]:
     """One floor call made alone: (send, total) seconds, as ``latency.one_dex`` gives them;
     its key is appended to ``keys``."""
     t0 = time.perf_counter()
-    key = fb.send(f"one-floor-{i // 10}", "t", f"c{i}")
+    key = fb.send(f"one-floor-{i // 10}", "t", f"c{i}", lean)
     t1 = time.perf_counter()
     keys.append(key)
-    fb.wait(key)
+    fb.wait(key, lean)
     return t1 - t0, time.perf_counter() - t0
 
 
@@ -146,7 +154,8 @@ def groups(fb: FloorBench, variant: str, db_pid: int | None) -> dict[str, Any]:
     """The processes a variant's round is charged: the producer, its worker, Redis, and the
     database server for the two that use it."""
     bench = fb.bench
-    worker = {"dex": bench.workers[0], "raw": bench.workers[1], "floor": fb.worker}[variant]
+    worker = {"dex": bench.workers[0], "raw": bench.workers[1], "floor": fb.worker,
+              "lean": fb.worker}[variant]
     assert worker is not None and bench.redis_server.proc is not None
     out = {"producer": fixed(os.getpid()), "worker main": fixed(worker.pid),
            "children": children(worker.pid), "redis": fixed(bench.redis_server.proc.pid)}
@@ -200,7 +209,7 @@ def measure(fb: FloorBench, variant: str, shape: Shape, tag: str,
         elif variant == "dex":
             failures = run_dex(fb.bench, shape, tag)
         else:
-            run_floor(fb, shape, tag)
+            run_floor(fb, shape, tag, lean=variant == "lean")
             failures = 0
     except TimeoutError as err:
         fb.check_alive()
@@ -226,27 +235,30 @@ def run_store(fb: FloorBench, kind: str, shape: Shape, rounds: int, warmup: int,
     run_raw(fb.bench, warmup)
     run_dex(fb.bench, warm, f"warm-{kind}")
     run_floor(fb, warm, f"warm-{kind}")
+    run_floor(fb, warm, f"warm-lean-{kind}", lean=True)
     for rnd in range(rounds):
-        order = VARIANTS[rnd % 3:] + VARIANTS[:rnd % 3]
+        order = VARIANTS[rnd % len(VARIANTS):] + VARIANTS[:rnd % len(VARIANTS)]
         for variant in order:
             say(f"{kind}: round {rnd + 1}/{rounds}, {LABELS[variant]}")
             runs.append({"round": rnd, **measure(fb, variant, shape, f"{kind}{rnd}", db_pid)})
         purge(fb.bench)
     one: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    keys: dict[str, list[str]] = {"floor": [], "dex": []}
-    timeline: dict[str, list[tuple[float, float, float]]] = {"floor": [], "dex": []}
+    keys: dict[str, list[str]] = {"floor": [], "lean": [], "dex": []}
+    timeline: dict[str, list[tuple[float, float, float]]] = {v: [] for v in keys}
     if latency_calls:
         say(f"{kind}: one call at a time")
     for i in range(latency_calls + 5):  # the first five warm each path
         one["raw"].append(one_raw(fb.bench)[1])
-        for variant in ("floor", "dex"):
+        for variant in ("floor", "lean", "dex"):
             sent_at = time.time()
-            send, total = (one_floor(fb, i, keys[variant]) if variant == "floor" else
-                           one_dex(fb.bench, "read", f"one-{kind}", i, keys[variant]))
+            send, total = (one_dex(fb.bench, "read", f"one-{kind}", i, keys[variant])
+                           if variant == "dex" else
+                           one_floor(fb, i, keys[variant], lean=variant == "lean"))
             one[variant].append(total)
             timeline[variant].append((sent_at, sent_at + send, sent_at + total))
     one = {v: samples[5:] for v, samples in one.items()}
-    # Where each one's time goes, from the events its ending wrote (the same rows for both).
+    # Where each one's time goes, from the events its ending wrote (the same rows for both;
+    # the lean floor writes no start event).
     phases = {v: workload_phases(fb.bench, keys[v][5:], timeline[v][5:])
               for v in ("floor", "dex") if latency_calls}
     return summarize(kind, runs, one, phases)

@@ -17,6 +17,9 @@ tracing:
 3. the waiter reads the row, and when it has not ended, waits for that publish (handed the
    status, as a dex-tasks waiter is handed the signed record).
 
+A lean variant (``lean_call``; ``Floor.end(lean=True)``, ``Waiter.wait(read=False)``) prices a
+narrower contract: the end's event alone, no tool message row, no read by the waiter.
+
 ``python -m bench floor`` runs it beside plain Celery and dex-tasks: what lies between Celery
 and this is what the contract's store and Redis work costs, whoever writes it; what lies
 between this and dex-tasks is dex-tasks' own code. Started as
@@ -41,6 +44,7 @@ from dex_tasks.store.delivery import DELIVERY_LOCK_SPACE
 
 QUEUE = "bench.floor"
 TASK = "bench.floor_call"
+LEAN_TASK = "bench.floor_call_lean"
 CHANNEL_PREFIX = "bench:floor:ended:"
 LEASE_PREFIX = "bench:floor:run:"
 LEASE_MS = 60_000
@@ -93,6 +97,19 @@ _END_PG = ("WITH moved AS (" + _END_CALL.replace("?", "%s") +
            "INSERT INTO dex_messages (session_id, role, created_at, turn_id, tool_call_id, "
            "tool, key, call_status, tool_arguments, tool_output) SELECT session_id, 'tool', %s, "
            "turn_id, tool_call_id, tool, key, 'succeeded', arguments, 'null' FROM moved")
+
+# The lean floor (a narrower contract, priced): the end's event alone, holding the attempt's
+# start in its detail (no ``tool_call_started`` row), and no tool message (a transcript that
+# reads it from the call's row); the delivery check stays.
+_LEAN_EVENT = ("INSERT INTO dex_call_events (session_id, key, event, from_status, to_status, "
+               "detail, created_at) SELECT session_id, key, 'tool_call_finished', 'queued', "
+               "'succeeded', ?, ? FROM dex_tool_calls WHERE key = ?")
+_LEAN_PG = ("WITH moved AS (" + _END_CALL.replace("?", "%s") +
+            " RETURNING key, session_id, "
+            f"dex_call_ended_check({DELIVERY_LOCK_SPACE}, session_id) AS queued) "
+            "INSERT INTO dex_call_events (session_id, key, event, from_status, to_status, "
+            "detail, created_at) SELECT session_id, key, 'tool_call_finished', 'queued', "
+            "'succeeded', %s, %s FROM moved")
 
 
 class Floor:
@@ -158,9 +175,19 @@ class Floor:
         rows = self._run(READ, (key,))
         return str(rows[0][10]) if rows else None
 
-    def end(self, key: str, worker: str, started_at: float) -> None:
-        """The move to ``succeeded`` with both events and the tool message, in one commit."""
+    def end(self, key: str, worker: str, started_at: float, *, lean: bool = False) -> None:
+        """The move to ``succeeded`` with both events and the tool message, in one commit;
+        ``lean``: with the end's event alone (the start in its detail) and no tool message."""
         now = time.time()
+        if lean:
+            detail = f'{{"started_at": {started_at!r}}}'
+            if self.sqlite:
+                self._transaction([(_END_CALL, (worker, now, now, key)),
+                                   (_LEAN_EVENT, (detail, now, key)),
+                                   (_END_QUEUED, (key,))])
+            else:
+                self._run(_LEAN_PG, (worker, now, now, key, detail, now))
+            return
         if self.sqlite:
             self._transaction([
                 (_END_CALL, (worker, now, now, key)),
@@ -191,6 +218,7 @@ def create_app(broker: str) -> Celery:
         enable_utc=True,
     )
     celery.task(name=TASK, shared=False)(floor_call)
+    celery.task(name=LEAN_TASK, shared=False)(lean_call)
     return celery
 
 
@@ -207,9 +235,9 @@ def _in_child() -> tuple[Floor, redis.Redis]:
     return _worker["floor"], _worker["redis"]
 
 
-def floor_call(key: str) -> None:
+def floor_call(key: str, lean: bool = False) -> None:
     """A worker's part of one call: read, lease, run the no-op, end, drop the lease and
-    announce."""
+    announce (``lean``: the narrower ending, :meth:`Floor.end`)."""
     floor, client = _in_child()
     # The attempt's start, taken where dex-tasks takes it: before the call's read.
     started_at = time.time()
@@ -217,11 +245,16 @@ def floor_call(key: str) -> None:
     if status != "queued":
         return  # ended already, or not stored: nothing to run
     client.set(LEASE_PREFIX + key, _worker["name"], px=LEASE_MS)
-    floor.end(key, _worker["name"], started_at)
+    floor.end(key, _worker["name"], started_at, lean=lean)
     pipe = client.pipeline(transaction=False)
     pipe.delete(LEASE_PREFIX + key)
     pipe.publish(CHANNEL_PREFIX + key, "succeeded")
     pipe.execute()
+
+
+def lean_call(key: str) -> None:
+    """The lean floor's worker part (:func:`floor_call` with the narrower ending)."""
+    floor_call(key, lean=True)
 
 
 class Waiter:
@@ -252,9 +285,11 @@ class Waiter:
             self._ended.add(name[len(CHANNEL_PREFIX):])
             self._cond.notify_all()
 
-    def wait(self, floor: Floor, key: str, timeout: float) -> None:
-        """Read the call; unless it has ended, wait for its announcement."""
-        if floor.read(key) == "succeeded":
+    def wait(self, floor: Floor, key: str, timeout: float, *, read: bool = True) -> None:
+        """Read the call; unless it has ended, wait for its announcement. ``read=False``
+        (the lean floor): only the announcement, which this subscription, made before the
+        call was sent, cannot miss while its connection lasts."""
+        if read and floor.read(key) == "succeeded":
             with self._cond:
                 self._ended.discard(key)
             return
