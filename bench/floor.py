@@ -1,7 +1,7 @@
 """``python -m bench floor``: plain Celery, the contract's floor and dex-tasks side by side on
 DESIGN's workload (issue 29).
 
-Three variants, on one private Redis with AOF and one fresh store per store kind, each with its
+Four variants, on one private Redis with AOF and one fresh store per store kind, each with its
 own prefork ``-c 2`` worker at ``-l warning``, alternating round by round:
 
 * ``Celery``: the no-op task, JSON, Redis result backend (``bench/raw_tasks.py``);
@@ -19,7 +19,7 @@ own prefork ``-c 2`` worker at ``-l warning``, alternating round by round:
 Throughput is DESIGN's: one producer sends 2,000 calls (a hundred calls and turns in each of
 20 sessions), then waits for each in order; CPU per call is taken by process from
 ``/proc/<pid>/stat`` (the database server with its backends on a private PostgreSQL). Then the
-same three one call at a time, interleaved, p50 by the caller's clock.
+same four one call at a time, interleaved, p50 by the caller's clock.
 
 What lies between Celery and the floor is what the contract's store and Redis work costs,
 whoever writes it; what lies between the floor and dex-tasks is dex-tasks' own code (its
@@ -201,29 +201,32 @@ def measure(fb: FloorBench, variant: str, shape: Shape, tag: str,
     if db_pid is not None and variant != "raw":
         statements = statements_engine(fb.database_url)
         reset_statement_stats(statements)
-    meter = CpuMeter(groups(fb, variant, db_pid)).start()
-    start = time.perf_counter()
     try:
-        if variant == "raw":
-            failures = run_raw(fb.bench, shape.calls)
-        elif variant == "dex":
-            failures = run_dex(fb.bench, shape, tag)
-        else:
-            run_floor(fb, shape, tag, lean=variant == "lean")
-            failures = 0
-    except TimeoutError as err:
-        fb.check_alive()
-        raise BenchError(f"{variant}: {err}") from err
-    elapsed = time.perf_counter() - start
-    cpu = per_call_us(meter.stop(), shape.calls)
-    if failures:
-        raise BenchError(f"{variant}: {failures} of {shape.calls} calls failed")
-    run = {"variant": variant, "calls": shape.calls, "elapsed_s": elapsed,
-           "rate": shape.calls / elapsed, "cpu_us": cpu}
-    if statements is not None:
-        run["statements"] = per_call(statement_stats(statements), shape.calls)
-        statements.dispose()
-    return run
+        meter = CpuMeter(groups(fb, variant, db_pid)).start()
+        start = time.perf_counter()
+        try:
+            if variant == "raw":
+                failures = run_raw(fb.bench, shape.calls)
+            elif variant == "dex":
+                failures = run_dex(fb.bench, shape, tag)
+            else:
+                run_floor(fb, shape, tag, lean=variant == "lean")
+                failures = 0
+        except TimeoutError as err:
+            fb.check_alive()
+            raise BenchError(f"{variant}: {err}") from err
+        elapsed = time.perf_counter() - start
+        cpu = per_call_us(meter.stop(), shape.calls)
+        if failures:
+            raise BenchError(f"{variant}: {failures} of {shape.calls} calls failed")
+        run = {"variant": variant, "calls": shape.calls, "elapsed_s": elapsed,
+               "rate": shape.calls / elapsed, "cpu_us": cpu}
+        if statements is not None:
+            run["statements"] = per_call(statement_stats(statements), shape.calls)
+        return run
+    finally:
+        if statements is not None:
+            statements.dispose()
 
 
 def run_store(fb: FloorBench, kind: str, shape: Shape, rounds: int, warmup: int,
@@ -296,7 +299,8 @@ def summarize(kind: str, runs: list[dict[str, Any]], one: dict[str, list[float]]
 
 def print_tables(console: Console, stores: list[dict[str, Any]]) -> None:
     table = Table(title="DESIGN's throughput: Celery, the contract's floor (its store and "
-                        "Redis work by the bare clients on plain Celery), dex-tasks")
+                        "Redis work by the bare clients on plain Celery), the lean floor (a "
+                        "narrower contract), dex-tasks")
     for column in ("store", "variant", "calls/s", "vs Celery", "rounds",
                    *(f"{g} µs" for g in CPU_GROUPS), "one p50 ms", "one vs Celery"):
         table.add_column(column, justify="left" if column in ("store", "variant") else "right")

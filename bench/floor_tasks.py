@@ -277,6 +277,7 @@ class Waiter:
                     raise TimeoutError("the floor's subscription was not confirmed")
                 self._client.publish(CHANNEL_PREFIX + probe, "probe")
                 self._cond.wait(0.05)
+            self._ended.discard(probe)
 
     def _handle(self, message: dict[str, Any]) -> None:
         channel = message["channel"]
