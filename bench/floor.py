@@ -1,7 +1,7 @@
 """``python -m bench floor``: plain Celery, the contract's floor and dex-tasks side by side on
 DESIGN's workload (issue 29).
 
-Four variants, on one private Redis with AOF and one fresh store per store kind, each with its
+Six variants, on one private Redis with AOF and one fresh store per store kind, each with its
 own prefork ``-c 2`` worker at ``-l warning``, alternating round by round:
 
 * ``Celery``: the no-op task, JSON, Redis result backend (``bench/raw_tasks.py``);
@@ -9,17 +9,18 @@ own prefork ``-c 2`` worker at ``-l warning``, alternating round by round:
   the store's own tables and indexes, the session's delivery check, the attempt's lease in
   Redis, the announcement), sent by the bare DB-API driver and plain Redis commands, on plain
   Celery with late acks (``bench/floor_tasks.py``);
-* ``lean floor``: the floor under a narrower contract, to price what changing DESIGN would
-  buy: the ending writes the end's event alone (the attempt's start in its detail, no
-  ``tool_call_started`` row) and no tool message (a transcript that would read it from the
-  call's row), and the waiter reads nothing (it trusts the announcement its subscription,
-  made before the call was sent, cannot miss): three statements a call, not four;
+* three floors under a narrower contract, to price what changing DESIGN would buy, each
+  change alone and both together: ``floor, narrow end`` (the ending writes the end's event
+  alone, the attempt's start in its detail, no ``tool_call_started`` row, and no tool
+  message, a transcript that would read it from the call's row); ``floor, no wait read`` (the
+  waiter reads nothing: it trusts the announcement its subscription, made before the call was
+  sent, cannot miss); and ``lean floor``, both: three statements a call, not four;
 * ``dex-tasks``: ``call_tool`` and ``wait``.
 
 Throughput is DESIGN's: one producer sends 2,000 calls (a hundred calls and turns in each of
 20 sessions), then waits for each in order; CPU per call is taken by process from
 ``/proc/<pid>/stat`` (the database server with its backends on a private PostgreSQL). Then the
-same four one call at a time, interleaved, p50 by the caller's clock.
+same six one call at a time, interleaved, p50 by the caller's clock.
 
 What lies between Celery and the floor is what the contract's store and Redis work costs,
 whoever writes it; what lies between the floor and dex-tasks is dex-tasks' own code (its
@@ -64,8 +65,12 @@ from bench.throughput import CONCURRENCY, WAIT_TIMEOUT, Bench, celery_command
 from bench.workload import DESIGN, PHASES, Shape, postgres_for, purge, run_dex, run_raw, scaled
 from bench.workload import phases as workload_phases
 
-VARIANTS = ("raw", "floor", "lean", "dex")
-LABELS = {"raw": "Celery", "floor": "floor", "lean": "lean floor", "dex": "dex-tasks"}
+VARIANTS = ("raw", "floor", "narrow", "noread", "lean", "dex")
+LABELS = {"raw": "Celery", "floor": "floor", "narrow": "floor, narrow end",
+          "noread": "floor, no wait read", "lean": "lean floor", "dex": "dex-tasks"}
+# The floors: (their ending is the narrow one, their waiter reads the call first).
+FLOORS = {"floor": (False, True), "narrow": (True, True), "noread": (False, False),
+          "lean": (True, False)}
 FLOOR_DB = 3  # the private Redis's database of the floor's broker and announcements
 CPU_GROUPS = ("producer", "worker main", "children", "redis", "database", "total")
 
@@ -104,19 +109,21 @@ class FloorBench:
         assert self.worker is not None
         self.worker.check_alive()
 
-    def send(self, session_id: str, turn_id: str, tool_call_id: str, lean: bool = False) -> str:
-        """The floor's ``call_tool``: the row, then the message; the call's key."""
+    def send(self, session_id: str, turn_id: str, tool_call_id: str, variant: str) -> str:
+        """The ``call_tool`` of the floor ``variant``: the row, then the message; the key."""
         assert self.app is not None and self.floor is not None
         self.sent += 1
         key = f"floor-{os.getpid()}-{self.sent}"
         self.floor.insert(key, session_id, turn_id, tool_call_id, READ_TOOL)
-        task = floor_tasks.LEAN_TASK if lean else floor_tasks.TASK
+        narrow, _ = FLOORS[variant]
+        task = floor_tasks.LEAN_TASK if narrow else floor_tasks.TASK
         self.app.tasks[task].apply_async(args=[key])
         return key
 
-    def wait(self, key: str, lean: bool = False) -> None:
+    def wait(self, key: str, variant: str) -> None:
         assert self.waiter is not None and self.floor is not None
-        self.waiter.wait(self.floor, key, WAIT_TIMEOUT, read=not lean)
+        _, read = FLOORS[variant]
+        self.waiter.wait(self.floor, key, WAIT_TIMEOUT, read=read)
 
     def stop(self) -> None:
         if self.waiter is not None:
@@ -127,26 +134,25 @@ class FloorBench:
             self.worker.stop()
 
 
-def run_floor(fb: FloorBench, shape: Shape, tag: str, lean: bool = False) -> None:
-    """DESIGN's rounds on the floor (or the lean floor): send each call, then wait for each
-    in order."""
+def run_floor(fb: FloorBench, shape: Shape, tag: str, variant: str) -> None:
+    """DESIGN's rounds on the floor ``variant``: send each call, then wait for each in
+    order."""
     keys = []
     for i in range(shape.calls):
         session, turn = shape.place(i)
-        keys.append(fb.send(f"{tag}-{session}", turn, f"c{i}", lean))
+        keys.append(fb.send(f"{tag}-{session}", turn, f"c{i}", variant))
     for key in keys:
-        fb.wait(key, lean)
+        fb.wait(key, variant)
 
 
-def one_floor(fb: FloorBench, i: int, keys: list[str],
-              lean: bool = False) -> tuple[float, float]:
-    """One floor call made alone: (send, total) seconds, as ``latency.one_dex`` gives them;
-    its key is appended to ``keys``."""
+def one_floor(fb: FloorBench, i: int, keys: list[str], variant: str) -> tuple[float, float]:
+    """One call of the floor ``variant`` made alone: (send, total) seconds, as
+    ``latency.one_dex`` gives them; its key is appended to ``keys``."""
     t0 = time.perf_counter()
-    key = fb.send(f"one-floor-{i // 10}", "t", f"c{i}", lean)
+    key = fb.send(f"one-floor-{i // 10}", "t", f"c{i}", variant)
     t1 = time.perf_counter()
     keys.append(key)
-    fb.wait(key, lean)
+    fb.wait(key, variant)
     return t1 - t0, time.perf_counter() - t0
 
 
@@ -154,8 +160,8 @@ def groups(fb: FloorBench, variant: str, db_pid: int | None) -> dict[str, Any]:
     """The processes a variant's round is charged: the producer, its worker, Redis, and the
     database server for the two that use it."""
     bench = fb.bench
-    worker = {"dex": bench.workers[0], "raw": bench.workers[1], "floor": fb.worker,
-              "lean": fb.worker}[variant]
+    worker = (fb.worker if variant in FLOORS else
+              {"dex": bench.workers[0], "raw": bench.workers[1]}[variant])
     assert worker is not None and bench.redis_server.proc is not None
     out = {"producer": fixed(os.getpid()), "worker main": fixed(worker.pid),
            "children": children(worker.pid), "redis": fixed(bench.redis_server.proc.pid)}
@@ -210,7 +216,7 @@ def measure(fb: FloorBench, variant: str, shape: Shape, tag: str,
             elif variant == "dex":
                 failures = run_dex(fb.bench, shape, tag)
             else:
-                run_floor(fb, shape, tag, lean=variant == "lean")
+                run_floor(fb, shape, tag, variant)
                 failures = 0
         except TimeoutError as err:
             fb.check_alive()
@@ -237,8 +243,8 @@ def run_store(fb: FloorBench, kind: str, shape: Shape, rounds: int, warmup: int,
     warm = replace(shape, calls=warmup)
     run_raw(fb.bench, warmup)
     run_dex(fb.bench, warm, f"warm-{kind}")
-    run_floor(fb, warm, f"warm-{kind}")
-    run_floor(fb, warm, f"warm-lean-{kind}", lean=True)
+    for variant in FLOORS:
+        run_floor(fb, warm, f"warm-{variant}-{kind}", variant)
     for rnd in range(rounds):
         order = VARIANTS[rnd % len(VARIANTS):] + VARIANTS[:rnd % len(VARIANTS)]
         for variant in order:
@@ -246,24 +252,23 @@ def run_store(fb: FloorBench, kind: str, shape: Shape, rounds: int, warmup: int,
             runs.append({"round": rnd, **measure(fb, variant, shape, f"{kind}{rnd}", db_pid)})
         purge(fb.bench)
     one: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    keys: dict[str, list[str]] = {"floor": [], "lean": [], "dex": []}
+    keys: dict[str, list[str]] = {v: [] for v in VARIANTS if v != "raw"}
     timeline: dict[str, list[tuple[float, float, float]]] = {v: [] for v in keys}
     if latency_calls:
         say(f"{kind}: one call at a time")
     for i in range(latency_calls + 5):  # the first five warm each path
         one["raw"].append(one_raw(fb.bench)[1])
-        for variant in ("floor", "lean", "dex"):
+        for variant in keys:
             sent_at = time.time()
             send, total = (one_dex(fb.bench, "read", f"one-{kind}", i, keys[variant])
-                           if variant == "dex" else
-                           one_floor(fb, i, keys[variant], lean=variant == "lean"))
+                           if variant == "dex" else one_floor(fb, i, keys[variant], variant))
             one[variant].append(total)
             timeline[variant].append((sent_at, sent_at + send, sent_at + total))
     one = {v: samples[5:] for v, samples in one.items()}
-    # Where each one's time goes, from the events its ending wrote (the same rows for both;
-    # the lean floor writes no start event).
+    # Where each one's time goes, from the events its ending wrote (the narrow endings write
+    # no start event).
     phases = {v: workload_phases(fb.bench, keys[v][5:], timeline[v][5:])
-              for v in ("floor", "dex") if latency_calls}
+              for v in ("floor", "noread", "dex") if latency_calls}
     return summarize(kind, runs, one, phases)
 
 
@@ -299,8 +304,8 @@ def summarize(kind: str, runs: list[dict[str, Any]], one: dict[str, list[float]]
 
 def print_tables(console: Console, stores: list[dict[str, Any]]) -> None:
     table = Table(title="DESIGN's throughput: Celery, the contract's floor (its store and "
-                        "Redis work by the bare clients on plain Celery), the lean floor (a "
-                        "narrower contract), dex-tasks")
+                        "Redis work by the bare clients on plain Celery), floors under a "
+                        "narrower contract, dex-tasks")
     for column in ("store", "variant", "calls/s", "vs Celery", "rounds",
                    *(f"{g} µs" for g in CPU_GROUPS), "one p50 ms", "one vs Celery"):
         table.add_column(column, justify="left" if column in ("store", "variant") else "right")
