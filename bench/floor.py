@@ -158,7 +158,7 @@ def one_floor(fb: FloorBench, i: int, keys: list[str], variant: str) -> tuple[fl
 
 def groups(fb: FloorBench, variant: str, db_pid: int | None) -> dict[str, Any]:
     """The processes a variant's round is charged: the producer, its worker, Redis, and the
-    database server for the two that use it."""
+    database server for those that use it."""
     bench = fb.bench
     worker = (fb.worker if variant in FLOORS else
               {"dex": bench.workers[0], "raw": bench.workers[1]}[variant])
