@@ -62,7 +62,18 @@ from bench.infra import (
 )
 from bench.latency import one_dex, one_raw
 from bench.throughput import CONCURRENCY, WAIT_TIMEOUT, Bench, celery_command
-from bench.workload import DESIGN, PHASES, Shape, postgres_for, purge, run_dex, run_raw, scaled
+from bench.workload import (
+    DESIGN,
+    PHASES,
+    Shape,
+    per_call_statements,
+    postgres_for,
+    purge,
+    run_dex,
+    run_raw,
+    scaled,
+    statistics,
+)
 from bench.workload import phases as workload_phases
 
 VARIANTS = ("raw", "floor", "narrow", "noread", "lean", "dex")
@@ -170,44 +181,16 @@ def groups(fb: FloorBench, variant: str, db_pid: int | None) -> dict[str, Any]:
     return out
 
 
-def statements_engine(database_url: str) -> Any:
-    """An engine that may read pg_stat_statements in the store's database (the private server
-    preloads it; the extension is made there on first use)."""
-    from sqlalchemy import create_engine, text
-
-    engine = create_engine(database_url, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.execute(text("CREATE EXTENSION IF NOT EXISTS pg_stat_statements"))
-    return engine
-
-
-def per_call(stats: list[dict[str, Any]], calls: int) -> list[dict[str, Any]]:
-    """pg_stat_statements' rows as figures per call, the costliest first; statements run
-    less than once per ten calls (publish marks, sweeps) summed in one row."""
-    stats = sorted(stats, key=lambda s: -float(s["total_exec_time"]))
-    rows = [s for s in stats if int(s["calls"]) * 10 >= calls]
-    rest = [s for s in stats if int(s["calls"]) * 10 < calls]
-    rows.append({"query": "(every other statement)",
-                 **{f: sum(float(s[f]) for s in rest)
-                    for f in ("calls", "total_exec_time", "wal_bytes", "shared_blks_hit")}})
-    return [{"per_call": round(float(r["calls"]) / calls, 2),
-             "exec_us_per_call": round(float(r["total_exec_time"]) * 1000 / calls, 1),
-             "wal_bytes_per_call": round(float(r["wal_bytes"]) / calls),
-             "blocks_hit_per_call": round(float(r["shared_blks_hit"]) / calls, 1),
-             "statement": " ".join(str(r["query"]).split())}
-            for r in rows]
-
-
 def measure(fb: FloorBench, variant: str, shape: Shape, tag: str,
             db_pid: int | None) -> dict[str, Any]:
     """One round of one variant: calls/s and CPU per call by process (and, on a private
     PostgreSQL, what the server ran for it)."""
     fb.check_alive()
-    statements = None
-    if db_pid is not None and variant != "raw":
-        statements = statements_engine(fb.database_url)
-        reset_statement_stats(statements)
-    try:
+    with ExitStack() as stack:
+        statements = None
+        if db_pid is not None and variant != "raw":
+            statements = stack.enter_context(statistics(fb.database_url))
+            reset_statement_stats(statements)
         meter = CpuMeter(groups(fb, variant, db_pid)).start()
         start = time.perf_counter()
         try:
@@ -228,11 +211,8 @@ def measure(fb: FloorBench, variant: str, shape: Shape, tag: str,
         run = {"variant": variant, "calls": shape.calls, "elapsed_s": elapsed,
                "rate": shape.calls / elapsed, "cpu_us": cpu}
         if statements is not None:
-            run["statements"] = per_call(statement_stats(statements), shape.calls)
+            run["statements"] = per_call_statements(statement_stats(statements), shape.calls)
         return run
-    finally:
-        if statements is not None:
-            statements.dispose()
 
 
 def run_store(fb: FloorBench, kind: str, shape: Shape, rounds: int, warmup: int,
@@ -302,13 +282,21 @@ def summarize(kind: str, runs: list[dict[str, Any]], one: dict[str, list[float]]
                      for r in runs]}
 
 
+def _table(title: str, columns: tuple[str, ...], text: tuple[str, ...]) -> Table:
+    """A table of ``columns``, the ``text`` ones left-justified and the figures right."""
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="left" if column in text else "right")
+    return table
+
+
 def print_tables(console: Console, stores: list[dict[str, Any]]) -> None:
-    table = Table(title="DESIGN's throughput: Celery, the contract's floor (its store and "
-                        "Redis work by the bare clients on plain Celery), floors under a "
-                        "narrower contract, dex-tasks")
-    for column in ("store", "variant", "calls/s", "vs Celery", "rounds",
-                   *(f"{g} µs" for g in CPU_GROUPS), "one p50 ms", "one vs Celery"):
-        table.add_column(column, justify="left" if column in ("store", "variant") else "right")
+    table = _table("DESIGN's throughput: Celery, the contract's floor (its store and Redis work "
+                   "by the bare clients on plain Celery), floors under a narrower contract, "
+                   "dex-tasks",
+                   ("store", "variant", "calls/s", "vs Celery", "rounds",
+                    *(f"{g} µs" for g in CPU_GROUPS), "one p50 ms", "one vs Celery"),
+                   ("store", "variant"))
     for store in stores:
         for row in store["rows"]:
             cpu = row["cpu_us_per_call"]
@@ -322,10 +310,8 @@ def print_tables(console: Console, stores: list[dict[str, Any]]) -> None:
                      "database: the private PostgreSQL server and its backends (SQLite runs "
                      "inside the producer and the children)")
     console.print(table)
-    phases = Table(title="One call at a time: where the floor's and dex-tasks' time goes, p50 ms "
-                         "of each phase")
-    for column in ("store", "variant", *PHASES):
-        phases.add_column(column, justify="left" if column in ("store", "variant") else "right")
+    phases = _table("One call at a time: where the floor's and dex-tasks' time goes, p50 ms of "
+                    "each phase", ("store", "variant", *PHASES), ("store", "variant"))
     for store in stores:
         for row in store["rows"]:
             if row["phases_p50_ms"]:
@@ -336,12 +322,10 @@ def print_tables(console: Console, stores: list[dict[str, Any]]) -> None:
                           "starts the attempt; in the worker: the call's read, its lease, the "
                           "tool; back: the ending's commit, the announcement, the wake-up")
         console.print(phases)
-    statements = Table(title="PostgreSQL per call, the last round's statements "
-                             "(pg_stat_statements on the private server)")
-    for column in ("variant", "runs per call", "exec µs per call", "WAL bytes per call",
-                   "blocks hit per call", "statement"):
-        statements.add_column(column, justify="left" if column in ("variant", "statement")
-                              else "right")
+    statements = _table("PostgreSQL per call, the last round's statements (pg_stat_statements "
+                        "on the private server)",
+                        ("variant", "runs per call", "exec µs per call", "WAL bytes per call",
+                         "blocks hit per call", "statement"), ("variant", "statement"))
     for store in stores:
         for row in store["rows"]:
             for stmt in row["statements"]:

@@ -126,6 +126,7 @@ class Floor:
             self._conn.execute("PRAGMA busy_timeout=5000")
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.execute("PRAGMA journal_mode=WAL")
+            self._read = READ
         else:
             import psycopg
 
@@ -133,13 +134,15 @@ class Floor:
             self._conn = psycopg.connect(
                 url.set(drivername="postgresql").render_as_string(hide_password=False),
                 autocommit=True, prepare_threshold=0)
+            self._read = READ.replace("?", "%s")  # psycopg's placeholders, made once
         self._lock = threading.Lock()
 
     def _run(self, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+        """``sql`` (in this driver's placeholders) and its rows."""
         with self._lock:
             if self.sqlite:
                 return list(self._conn.execute(sql, params).fetchall())
-            cur = self._conn.execute(sql.replace("?", "%s"), params)
+            cur = self._conn.execute(sql, params)
             return list(cur.fetchall()) if cur.description else []
 
     def _transaction(self, steps: Sequence[tuple[str, Sequence[Any]]]) -> bool:
@@ -172,7 +175,7 @@ class Floor:
 
     def read(self, key: str) -> str | None:
         """The call's status as stored (the whole row is read, as dex-tasks reads it)."""
-        rows = self._run(READ, (key,))
+        rows = self._run(self._read, (key,))
         return str(rows[0][10]) if rows else None
 
     def end(self, key: str, worker: str, started_at: float, *, lean: bool = False) -> None:

@@ -268,12 +268,12 @@ def run_shapes(bench: Bench, kind: str, shapes: list[Shape], rounds: int, warmup
 
 
 @contextmanager
-def _statistics(bench: Bench) -> Iterator[Engine]:
+def statistics(database_url: str) -> Iterator[Engine]:
     """An engine on the store's database that may read pg_stat_statements (the private server
     preloads it; the extension is created in the store's database on first use)."""
     from sqlalchemy import create_engine
 
-    engine = create_engine(bench.database_url, isolation_level="AUTOCOMMIT")
+    engine = create_engine(database_url, isolation_level="AUTOCOMMIT")
     try:
         with engine.connect() as conn:
             conn.execute(text("CREATE EXTENSION IF NOT EXISTS pg_stat_statements"))
@@ -283,31 +283,37 @@ def _statistics(bench: Bench) -> Iterator[Engine]:
 
 
 def reset_statements(bench: Bench) -> None:
-    with _statistics(bench) as engine:
+    with statistics(bench.database_url) as engine:
         reset_statement_stats(engine)
+
+
+def per_call_statements(stats: list[dict[str, Any]], calls: int) -> list[dict[str, Any]]:
+    """``infra.statement_stats`` rows as figures per call, the costliest first: executions,
+    execution time, WAL bytes and shared blocks hit per call, and the statement. Those run
+    at least once per ten calls get a row each; the rest (the publish marks' UPDATEs, an IN
+    list of a different length each; the sweeps') are summed in one. Execution time leaves
+    out each statement's parse, network and commit, which the server's CPU includes."""
+    stats = sorted(stats, key=lambda s: -float(s["total_exec_time"]))
+    rows = [s for s in stats if int(s["calls"]) * 10 >= calls]
+    rest = [s for s in stats if int(s["calls"]) * 10 < calls]
+    rows.append({"query": "(every other statement)",
+                 **{f: sum(float(s[f]) for s in rest)
+                    for f in ("calls", "total_exec_time", "wal_bytes", "shared_blks_hit")}})
+    return [{"per_call": round(float(r["calls"]) / calls, 2),
+             "exec_us_per_call": round(float(r["total_exec_time"]) * 1000 / calls, 1),
+             "wal_bytes_per_call": round(float(r["wal_bytes"]) / calls),
+             "blocks_hit_per_call": round(float(r["shared_blks_hit"]) / calls, 1),
+             "statement": " ".join(str(r["query"]).split())}
+            for r in rows]
 
 
 def statements_per_call(bench: Bench, calls: int) -> list[dict[str, Any]]:
     """What the server did per dex-tasks call since :func:`reset_statements`, by statement
-    on the store's tables (``infra.statement_stats``; those run at least once per ten calls
-    each, and the rest in one row): executions, execution time and WAL bytes per call, and
-    the statement's start. Execution time leaves out each statement's parse, network and
-    commit, which the server's CPU in the CPU table includes."""
-    with _statistics(bench) as engine:
+    on the store's tables (:func:`per_call_statements`, the statement's start only)."""
+    with statistics(bench.database_url) as engine:
         stats = statement_stats(engine)
-    stats.sort(key=lambda s: -float(s["total_exec_time"]))
-    # The rest, in one row: the publish marks' UPDATEs (an IN list of a different length
-    # each), the sweeps'.
-    rest = [s for s in stats if int(s["calls"]) * 10 < calls]
-    rows = [s for s in stats if int(s["calls"]) * 10 >= calls]
-    rows.append({"query": "(every other statement)",
-                 **{f: sum(float(s[f]) for s in rest)
-                    for f in ("calls", "total_exec_time", "wal_bytes")}})
-    return [{"store": "postgres", "per_call": round(float(r["calls"]) / calls, 2),
-             "exec_us_per_call": round(float(r["total_exec_time"]) * 1000 / calls, 1),
-             "wal_bytes_per_call": round(float(r["wal_bytes"]) / calls),
-             "statement": " ".join(str(r["query"]).split())[:110]}
-            for r in rows]
+    return [{"store": "postgres", **row, "statement": row["statement"][:110]}
+            for row in per_call_statements(stats, calls)]
 
 
 def summarize(runs: list[Run]) -> list[dict[str, Any]]:
