@@ -15,12 +15,18 @@ own checkers) goes to the workers on a queue of its own; beat runs every other s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import UTC, datetime
 from typing import Any
 
 from celery import Celery
 from kombu.entity import Exchange, Queue
+from kombu.exceptions import OperationalError
+from kombu.utils.uuid import uuid
 
 from dex_tasks.broker.redis_clients import broker_options, keepalive_options
 from dex_tasks.broker.routing import queue_for
@@ -115,6 +121,7 @@ def create_app(settings: DexSettings, *, publisher: bool = False) -> Celery:
         **broker,
     )
     app.dex_settings = settings  # type: ignore[attr-defined]
+    app.dex_producer = HeldProducer()  # type: ignore[attr-defined]
     return app
 
 
@@ -153,10 +160,36 @@ def publish(app: Celery, call: ToolCallRow, *, countdown: float | None = None,
     broker: the caller turns the error into a "did not run" record or leaves the call to the
     republisher. ``producer``: a kombu producer to send with (``publish_many`` passes one that
     is batching).
+
+    The message is what ``app.send_task`` sends for these options (``tests/test_publish.py``
+    compares the two), built and sent with the two calls ``send_task`` makes itself, Celery's
+    ``app.amqp.create_task_message`` and ``app.amqp.send_task_message``. What ``send_task``
+    does around them is for options a call never has, and cost a third of a publish's CPU
+    (issue 29): the task routes looked up for a queue given by name, the registered task's
+    default options merged in (a call's come from its row), the result backend told about a
+    task whose result nobody stores, and the arguments' text built by ``saferepr`` for a list
+    of one key.
     """
     settings: DexSettings = app.dex_settings  # type: ignore[attr-defined]
-    effect = EffectClass(call.effect)
-    name = task_name_for(effect)
+    name = task_name_for(EffectClass(call.effect))
+    task_id = uuid()
+    root_id = parent_id = None
+    parent = app.current_worker_task
+    if parent is not None:  # sent from a task (a sweep, a lost attempt's retry)
+        root_id = parent.request.root_id or parent.request.id
+        parent_id = parent.request.id
+    expires = (datetime.fromtimestamp(call.expires_at, tz=UTC)
+               if call.expires_at is not None else None)
+    args = [call.key]
+    amqp = app.amqp
+    message = amqp.create_task_message(
+        task_id, name, args, {}, countdown or None, None, None, None, expires, 0, None,
+        None, None, app.thread_oid, call.time_limit or None,
+        soft_limit(call.time_limit) if call.time_limit else None,
+        app.conf.task_send_sent_event, root_id, parent_id,
+        # Shown by Flower and worker logs instead of the generic task name.
+        f"{name}[{call.tool}]", None,
+        ignore_result=None, argsrepr=repr(args), kwargsrepr="{}")
     options: dict[str, Any] = {
         "queue": queue_for(call.tool),
         "retry": True,
@@ -166,8 +199,6 @@ def publish(app: Celery, call: ToolCallRow, *, countdown: float | None = None,
             "interval_step": settings.publish_timeout_seconds / 4,
             "interval_max": settings.publish_timeout_seconds / 4,
         },
-        # Shown by Flower and worker logs instead of the generic task name.
-        "shadow": f"{name}[{call.tool}]",
         # Nothing to declare: the queue's exchange is direct, so Celery sends the message by
         # the default exchange straight onto the queue's Redis list (kombu's _put), which no
         # declaration is needed for (a worker declares the queues it consumes). Left to
@@ -178,14 +209,67 @@ def publish(app: Celery, call: ToolCallRow, *, countdown: float | None = None,
     }
     if call.trace_context is not None:  # OpenTelemetry: the trace joins the agent's
         options["headers"] = message_headers(call)
-    if countdown:
-        options["countdown"] = countdown
-    if call.expires_at is not None:
-        options["expires"] = datetime.fromtimestamp(call.expires_at, tz=UTC)
-    if call.time_limit:
-        options["time_limit"] = call.time_limit
-        options["soft_time_limit"] = soft_limit(call.time_limit)
-    app.send_task(name, args=[call.key], producer=producer, **options)
+    if expires is not None:
+        # The message's own time to live, as send_task sets it (AMQP brokers drop it then).
+        options["expiration"] = max(0.0, call.expires_at - time.time())  # type: ignore[operator]
+    with _sender(app, producer) as sender:
+        connection = sender.connection
+        try:
+            amqp.send_task_message(sender, name, message, **options)
+        except OperationalError:
+            raise
+        except (*connection.recoverable_connection_errors,
+                *connection.recoverable_channel_errors) as err:
+            # As send_task raises them: kombu's error, whatever the transport's was.
+            raise OperationalError(str(err)) from err
+
+
+class HeldProducer:
+    """The producer an app keeps between its publishes (``app.dex_producer``).
+
+    Celery's producer pool hands a producer out per publish and takes it back after: a
+    connection checked out of the pool, the producer bound to its channel, and both undone on
+    release, about a fifth of a publish's CPU (issue 29). An agent publishes one call after
+    another from one thread, so this one is held instead, by whichever publish finds it free;
+    one that finds it taken (another thread publishing) takes one from the pool as before.
+    It comes from the app's pool, whose ``app.close()`` closes it with the rest. A publish that
+    fails gives it back to the pool, which resets it; a forked child never uses its parent's
+    (the socket is the parent's), it takes its own.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._producer: Any = None
+        self._pid = os.getpid()
+
+    @contextmanager
+    def use(self, app: Celery) -> Iterator[Any]:
+        """The held producer for one publish, or one from the pool while it is in use."""
+        if not self._lock.acquire(blocking=False):
+            with app.producer_or_acquire() as pooled:
+                yield pooled
+            return
+        try:
+            if self._pid != os.getpid():
+                self._producer, self._pid = None, os.getpid()  # the parent's: left alone
+            if self._producer is None:
+                self._producer = app.producer_pool.acquire(block=True)
+            try:
+                yield self._producer
+            except BaseException:
+                failed, self._producer = self._producer, None
+                failed.release()
+                raise
+        finally:
+            self._lock.release()
+
+
+def _sender(app: Celery, producer: Any) -> AbstractContextManager[Any]:
+    """``producer`` if given, else the app's held one (:class:`HeldProducer`)."""
+    if producer is not None:
+        return nullcontext(producer)
+    held: HeldProducer = app.dex_producer  # type: ignore[attr-defined]
+    return held.use(app)
 
 
 def publish_many(app: Celery, calls: Sequence[ToolCallRow]) -> None:
