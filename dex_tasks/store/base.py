@@ -9,6 +9,7 @@ while the error is one a retry can cure.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -94,10 +95,24 @@ def note_ended(conn: Connection, key: str, to: CallStatus, row: Any, now: float)
 
 def _whole_row(row: Any) -> dict[str, Any] | None:
     """Every column of the calls table from ``row``, or None if it lacks some."""
+    fields = getattr(row, "_fields", None)
+    if fields is not None:
+        # A returned row's type says once which columns all its rows have (every ending of
+        # a worker asks this of a row of the same type).
+        if not _has_every_column(fields):
+            return None
+        mapping = row._mapping
+        return {name: mapping[name] for name in CALL_COLUMNS}
     mapping = getattr(row, "_mapping", None)
     if mapping is None or any(name not in mapping for name in CALL_COLUMNS):
         return None
     return {name: mapping[name] for name in CALL_COLUMNS}
+
+
+@functools.lru_cache(maxsize=64)
+def _has_every_column(fields: tuple[str, ...]) -> bool:
+    """Whether a row with these column names has every column of the calls table."""
+    return set(CALL_COLUMNS) <= set(fields)
 
 
 class StoreBase:
@@ -246,8 +261,9 @@ class StoreBase:
         ended: list[EndedCall] = []
         actions: list[Callable[[], None]] = []
         with self._connect(engine) if autocommit else self._begin(engine) as conn:
-            conn.info[ENDED_CALLS] = ended
-            conn.info[AFTER_COMMIT] = actions
+            info = conn.info  # one lookup: SQLAlchemy finds it through the pool's record
+            info[ENDED_CALLS] = ended
+            info[AFTER_COMMIT] = actions
             try:
                 yield conn
             except BaseException:
@@ -256,11 +272,11 @@ class StoreBase:
                 # error a retry is decided on. A stale list left behind is replaced by the next
                 # write transaction on that connection, and read ones never add to it.
                 with suppress(Exception):
-                    conn.info.pop(ENDED_CALLS, None)
-                    conn.info.pop(AFTER_COMMIT, None)
+                    info.pop(ENDED_CALLS, None)
+                    info.pop(AFTER_COMMIT, None)
                 raise
-            conn.info.pop(ENDED_CALLS, None)
-            conn.info.pop(AFTER_COMMIT, None)
+            info.pop(ENDED_CALLS, None)
+            info.pop(AFTER_COMMIT, None)
         if ended:
             self._calls_ended(ended)
         for action in actions:

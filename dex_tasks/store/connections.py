@@ -456,16 +456,18 @@ class ForkGuard:
     def transaction(self) -> Iterator[None]:
         """Mark a SQLite transaction as open in this process for the ``with`` block."""
         with self._cond:
-            # Bounded: a thread already inside a transaction must not wait on a fork that
-            # waits on it.
-            self._cond.wait_for(lambda: not self._forking, timeout=self.FORK_WAIT_SECONDS)
+            if self._forking:
+                # Bounded: a thread already inside a transaction must not wait on a fork that
+                # waits on it.
+                self._cond.wait_for(lambda: not self._forking, timeout=self.FORK_WAIT_SECONDS)
             self._active += 1
         try:
             yield
         finally:
             with self._cond:
                 self._active -= 1
-                self._cond.notify_all()
+                if self._forking:  # only a fork waits for transactions to close
+                    self._cond.notify_all()
 
     def _before_fork(self) -> None:
         self._cond.acquire()
