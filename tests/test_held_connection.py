@@ -77,6 +77,51 @@ def test_a_held_read_connection_keeps_no_snapshot(store: Store) -> None:
         other.close()
 
 
+def test_a_calls_read_runs_on_the_writers_connection_and_never_waits_for_a_writer(
+    store: Store,
+) -> None:
+    # Given a call written through the store's write connection
+    assert store.insert_call(_row("s/t/c1"))
+    with store.write() as tx:
+        writer = _dbapi(tx)
+    # When the call is read, then it is read on that same connection (whose page cache the
+    # write kept current), which the read leaves with no transaction open
+    statements: list[str] = []
+    writer.set_trace_callback(statements.append)
+    try:
+        call = store.get_call("s/t/c1")
+        assert call is not None and call.key == "s/t/c1"
+        assert store.get_call_columns("s/t/c1") is not None
+    finally:
+        writer.set_trace_callback(None)
+    assert [s for s in statements if s.lstrip().upper().startswith("SELECT")], statements
+    assert not [s for s in statements if "BEGIN" in s.upper()]
+    assert not writer.in_transaction
+    # And while another thread holds the write lock (an ending being committed), a read of a
+    # call neither waits for it nor sees what it has not committed
+    inside, release = threading.Event(), threading.Event()
+
+    def write() -> None:
+        with store.write() as tx:
+            tx.execute(CALLS.update().where(CALLS.c.key == "s/t/c1").values(status="failed"))
+            inside.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    try:
+        assert inside.wait(10)
+        started = time.monotonic()
+        during = store.get_call("s/t/c1")
+        assert time.monotonic() - started < 1.0
+        assert during is not None and during.status == "queued"
+    finally:
+        release.set()
+        thread.join(10)
+    after = store.get_call("s/t/c1")
+    assert after is not None and after.status == "failed"
+
+
 def test_a_transaction_that_failed_does_not_leave_its_connection_held(store: Store) -> None:
     with store.write() as tx:
         held = _dbapi(tx)

@@ -304,7 +304,7 @@ class StoreBase:
         return engine.connect() if held is None else held.connect()
 
     def _retrying(self, op: Callable[[Connection, int], T], *, read: bool = False,
-                  single: bool = False) -> T:
+                  single: bool = False, prepared: bool = False) -> T:
         """Run ``op(conn, attempt)`` in a transaction of its own, and again on a new connection
         while the error is one a retry can cure (``connections.retryable``), for up to
         ``retry_seconds``; then :class:`StoreUnavailableError`.
@@ -318,10 +318,15 @@ class StoreBase:
         connection's return to the pool) and no more consistency. Under
         ``bounded_statements`` (sweeps, lease renewals) ``op`` runs in a short transaction
         instead, which keeps the bounds' ``SET LOCAL`` (nothing is set on the session: a
-        pooler would hand it to another client).
+        pooler would hand it to another client). ``prepared``: a read whose ``op`` sends only
+        prepared statements on the DB-API connection (``driver.run``), which begin no
+        transaction: on SQLite it runs on the writers' connection, whose page cache this
+        process's own writes keep current (the readers' connection would read again from the
+        file every page that the last write, on the other connection, changed).
         """
         autocommit = single and self.is_postgres and not statements_bounded()
         engine = (self.autocommit_engine if autocommit
+                  else self.engine if read and prepared
                   else self.read_engine if read else self.engine)
         started = time.monotonic()
         deadline = started + self.retry_seconds

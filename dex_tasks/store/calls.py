@@ -270,14 +270,16 @@ class Calls(StoreBase):
 
     def get_call(self, key: str) -> ToolCallRow | None:
         """The stored call, or None. Retried across a lost connection."""
-        row = self._retrying(lambda conn, _: _read_call(conn, key), read=True, single=True)
+        row = self._retrying(lambda conn, _: _read_call(conn, key), read=True, single=True,
+                             prepared=True)
         return stored_call(row) if row else None
 
     def get_call_columns(self, key: str) -> Mapping[str, Any] | None:
         """The stored call's columns as read, or None: ``get_call`` without building a
         ``ToolCallRow`` (what a poll or a waiter's read needs; see
         ``ToolCallRecord.from_mapping``). Retried across a lost connection."""
-        return self._retrying(lambda conn, _: _read_call(conn, key), read=True, single=True)
+        return self._retrying(lambda conn, _: _read_call(conn, key), read=True, single=True,
+                              prepared=True)
 
     def calls_for_session(self, session_id: str) -> list[ToolCallRow]:
         """The session's calls, oldest first."""
