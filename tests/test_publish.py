@@ -81,6 +81,13 @@ def taken(client: redis.Redis, call: ToolCallRow) -> dict[str, Any]:
     return message
 
 
+def queued_keys(client: redis.Redis) -> list[str]:
+    """The keys of the calls whose messages wait on the ``lookup`` tool's queue, in the order
+    a worker takes them (kombu pushes on the left, a worker pops on the right)."""
+    return [json.loads(base64.b64decode(json.loads(raw)["body"]))[0][0]
+            for raw in reversed(client.lrange(queue_for("lookup"), 0, -1))]
+
+
 def comparable(message: dict[str, Any]) -> dict[str, Any]:
     """``message`` without what differs between two messages of the same call."""
 
@@ -91,6 +98,22 @@ def comparable(message: dict[str, Any]) -> dict[str, Any]:
 
     stripped: dict[str, Any] = strip(message)
     return stripped
+
+
+@pytest.fixture
+def agent(redis_url: str, sqlite_url: str) -> Iterator[Celery]:
+    """An agent's app (``DexClient``'s) on this test's Redis database."""
+    built = create_app(fast_settings(redis_url, sqlite_url), publisher=True)
+    yield built
+    built.close()
+
+
+@pytest.fixture
+def queues(redis_url: str) -> Iterator[redis.Redis]:
+    """A plain client of this test's Redis database, to look at the queues."""
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
 
 
 @pytest.fixture(params=["agent", "worker"])
@@ -182,57 +205,45 @@ def connections_on(client: redis.Redis, db: str) -> int:
 
 
 def test_an_agent_publishing_call_after_call_keeps_the_same_connections(
-    redis_url: str, sqlite_url: str
+    agent: Celery, queues: redis.Redis, redis_url: str
 ) -> None:
     # Given an agent's app on a Redis database of its own, that has published once
-    app = create_app(fast_settings(redis_url, sqlite_url), publisher=True)
-    client = redis.Redis.from_url(redis_url)
     db = redis_url.rsplit("/", 1)[1]
-    try:
-        publish(app, a_call("k-first"))
-        opened = connections_on(client, db)
-        # When it publishes fifty more calls one after another
-        for i in range(50):
-            publish(app, a_call(f"k-{i}"))
-        # Then each is on the queue, and they went through the connections the first opened
-        # (the producer it holds between publishes is neither lost nor taken anew)
-        assert client.llen(queue_for("lookup")) == 51
-        assert connections_on(client, db) == opened
-    finally:
-        app.close()
-        client.close()
+    publish(agent, a_call("k-first"))
+    opened = connections_on(queues, db)
+    # When it publishes fifty more calls one after another
+    for i in range(50):
+        publish(agent, a_call(f"k-{i}"))
+    # Then each is on the queue, and they went through the connections the first opened (the
+    # producer it holds between publishes is neither lost nor taken anew)
+    assert queued_keys(queues) == ["k-first", *(f"k-{i}" for i in range(50))]
+    assert connections_on(queues, db) == opened
 
 
-def test_publishes_from_many_threads_at_once_each_send_their_message(redis_url: str,
-                                                                     sqlite_url: str) -> None:
+def test_publishes_from_many_threads_at_once_each_send_their_message(
+    agent: Celery, queues: redis.Redis
+) -> None:
     # Given an agent's app shared by eight threads (a server's request handlers)
-    app = create_app(fast_settings(redis_url, sqlite_url), publisher=True)
-    client = redis.Redis.from_url(redis_url)
     errors: list[BaseException] = []
 
     def send(n: int) -> None:
         try:
             for i in range(25):
-                publish(app, a_call(f"k-{n}-{i}"))
+                publish(agent, a_call(f"k-{n}-{i}"))
         except BaseException as err:  # noqa: BLE001 - reported below
             errors.append(err)
 
-    try:
-        # When they all publish at once (one holds the app's producer, the others take one
-        # from the pool while it is in use)
-        threads = [threading.Thread(target=send, args=(n,)) for n in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
-        # Then every message is on the queue, once
-        assert errors == []
-        keys = [json.loads(base64.b64decode(json.loads(raw)["body"]))[0][0]
-                for raw in client.lrange(queue_for("lookup"), 0, -1)]
-        assert sorted(keys) == sorted(f"k-{n}-{i}" for n in range(8) for i in range(25))
-    finally:
-        app.close()
-        client.close()
+    # When they all publish at once (one holds the app's producer, the others take one from
+    # the pool while it is in use)
+    threads = [threading.Thread(target=send, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    # Then every message is on the queue, once
+    assert errors == []
+    assert sorted(queued_keys(queues)) == sorted(f"k-{n}-{i}" for n in range(8)
+                                                 for i in range(25))
 
 
 def test_after_the_broker_restarts_the_next_publish_gets_through(sqlite_url: str) -> None:
@@ -251,10 +262,7 @@ def test_after_the_broker_restarts_the_next_publish_gets_through(sqlite_url: str
         publish(app, a_call("k-after"))
         client = redis.Redis.from_url(f"{server.url}/0")
         try:
-            assert client.llen(queue_for("lookup")) == 1
-            raw = client.lpop(queue_for("lookup"))
-            assert isinstance(raw, bytes)
-            assert json.loads(base64.b64decode(json.loads(raw)["body"]))[0] == ["k-after"]
+            assert queued_keys(client) == ["k-after"]
         finally:
             client.close()
     finally:
@@ -262,29 +270,21 @@ def test_after_the_broker_restarts_the_next_publish_gets_through(sqlite_url: str
         server.cleanup()
 
 
-def test_a_forked_child_publishes_on_a_connection_of_its_own(redis_url: str,
-                                                             sqlite_url: str) -> None:
+def test_a_forked_child_publishes_on_a_connection_of_its_own(agent: Celery,
+                                                             queues: redis.Redis) -> None:
     # Given an agent's app that has published (and holds a connection) before a fork
-    app = create_app(fast_settings(redis_url, sqlite_url), publisher=True)
-    client = redis.Redis.from_url(redis_url)
-    try:
-        publish(app, a_call("k-parent-1"))
-        # When a forked child publishes with the same app, and then the parent does again
-        pid = os.fork()
-        if pid == 0:  # the child: report by exit status, never by pytest
-            code = 1
-            try:
-                publish(app, a_call("k-child"))
-                code = 0
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        publish(app, a_call("k-parent-2"))
-        # Then all three messages arrived intact: neither used the other's socket
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
-        keys = sorted(json.loads(base64.b64decode(json.loads(raw)["body"]))[0][0]
-                      for raw in client.lrange(queue_for("lookup"), 0, -1))
-        assert keys == ["k-child", "k-parent-1", "k-parent-2"]
-    finally:
-        app.close()
-        client.close()
+    publish(agent, a_call("k-parent-1"))
+    # When a forked child publishes with the same app, and then the parent does again
+    pid = os.fork()
+    if pid == 0:  # the child: report by exit status, never by pytest
+        code = 1
+        try:
+            publish(agent, a_call("k-child"))
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    publish(agent, a_call("k-parent-2"))
+    # Then all three messages arrived intact: neither used the other's socket
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert sorted(queued_keys(queues)) == ["k-child", "k-parent-1", "k-parent-2"]
