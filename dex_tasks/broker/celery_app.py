@@ -209,9 +209,9 @@ def publish(app: Celery, call: ToolCallRow, *, countdown: float | None = None,
     }
     if call.trace_context is not None:  # OpenTelemetry: the trace joins the agent's
         options["headers"] = message_headers(call)
-    if expires is not None:
+    if call.expires_at is not None:
         # The message's own time to live, as send_task sets it (AMQP brokers drop it then).
-        options["expiration"] = max(0.0, call.expires_at - time.time())  # type: ignore[operator]
+        options["expiration"] = max(0.0, call.expires_at - time.time())
     with _sender(app, producer) as sender:
         connection = sender.connection
         try:
