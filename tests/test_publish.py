@@ -141,44 +141,40 @@ CALLS: dict[str, tuple[dict[str, Any], float | None]] = {
 
 
 @pytest.mark.parametrize("shape", list(CALLS))
-def test_a_calls_message_is_the_one_send_task_sent(app: Celery, redis_url: str,
+def test_a_calls_message_is_the_one_send_task_sent(app: Celery, queues: redis.Redis,
                                                    shape: str) -> None:
     fields, countdown = CALLS[shape]
     if "expires_at" in fields:
         fields = {**fields, "expires_at": time.time() + fields["expires_at"]}
-    client = redis.Redis.from_url(redis_url)
-    try:
-        # Given one call, sent once by send_task (as before) and once by publish
-        call = a_call(f"k-{shape.replace(' ', '-')}", **fields)
-        send_task_reference(app, call, countdown)
-        before = taken(client, call)
-        publish(app, call, countdown=countdown)
-        now = taken(client, call)
-        # Then a worker takes the same message from the queue, but for its id and the moment
-        # it was made
-        assert comparable(now) == comparable(before)
-        headers = now["headers"]
-        assert headers["id"] != before["headers"]["id"]
-        assert headers["root_id"] == headers["id"] == now["properties"]["correlation_id"]
-        assert headers["argsrepr"] == repr([call.key])
-        assert now["body"][0] == [call.key]
-        # And the parts that depend on that moment still say the same
-        assert set(headers) == set(before["headers"])
-        assert (headers["eta"] is None) == (before["headers"]["eta"] is None)
-        if countdown:
-            eta = datetime.fromisoformat(headers["eta"]).timestamp()
-            assert abs(eta - (time.time() + countdown)) < 2.0
-        if call.expires_at is not None:
-            assert headers["expires"] == before["headers"]["expires"]
-            # kombu writes the time to live left in milliseconds
-            left = float(now["properties"]["expiration"])
-            assert 590_000 < left <= 600_000
-            assert abs(left - float(before["properties"]["expiration"])) < 5_000
-        if call.trace_context is not None:
-            assert headers[TRACEPARENT] == TRACE
-            assert abs(float(headers[SENT_AT]) - time.time()) < 60
-    finally:
-        client.close()
+    # Given one call, sent once by send_task (as before) and once by publish
+    call = a_call(f"k-{shape.replace(' ', '-')}", **fields)
+    send_task_reference(app, call, countdown)
+    before = taken(queues, call)
+    publish(app, call, countdown=countdown)
+    now = taken(queues, call)
+    # Then a worker takes the same message from the queue, but for its id and the moment it
+    # was made
+    assert comparable(now) == comparable(before)
+    headers = now["headers"]
+    assert headers["id"] != before["headers"]["id"]
+    assert headers["root_id"] == headers["id"] == now["properties"]["correlation_id"]
+    assert headers["argsrepr"] == repr([call.key])
+    assert now["body"][0] == [call.key]
+    # And the parts that depend on that moment still say the same
+    assert set(headers) == set(before["headers"])
+    assert (headers["eta"] is None) == (before["headers"]["eta"] is None)
+    if countdown:
+        eta = datetime.fromisoformat(headers["eta"]).timestamp()
+        assert abs(eta - (time.time() + countdown)) < 2.0
+    if call.expires_at is not None:
+        assert headers["expires"] == before["headers"]["expires"]
+        # kombu writes the time to live left in milliseconds
+        left = float(now["properties"]["expiration"])
+        assert 590_000 < left <= 600_000
+        assert abs(left - float(before["properties"]["expiration"])) < 5_000
+    if call.trace_context is not None:
+        assert headers[TRACEPARENT] == TRACE
+        assert abs(float(headers[SENT_AT]) - time.time()) < 60
 
 
 def test_a_publish_to_an_unreachable_broker_raises_kombus_error_within_its_timeout(
