@@ -355,6 +355,98 @@ def test_watcher_recovers_after_redis_restarts(tmp_path: Path) -> None:
     assert out["took"] < WOKEN_WITHIN
 
 
+def _connections(admin: redis.Redis) -> int:
+    """Client connections the server holds, not counting ``admin``'s own."""
+    return len(admin.client_list()) - 1
+
+
+def test_a_watcher_holds_one_redis_connection_and_is_woken_without_redis() -> None:
+    from tests.helpers import RedisServer
+
+    server = RedisServer(free_port()).start()
+    admin = redis.Redis.from_url(f"{server.url}/0")
+    watcher = CallWatcher(redis_connector(f"{server.url}/0"))
+    try:
+        before = _connections(admin)
+        # Given a watcher whose thread waits on its connection
+        with watcher.watch("first/call") as first:
+            assert first.wait(WOKEN_WITHIN), "the first subscription was not confirmed"
+            # When more calls are watched and one is announced
+            watches = [watcher.watch(f"more/call/{i}") for i in range(5)]
+            for watch in watches:
+                assert watch.wait(WOKEN_WITHIN), "a subscription was not confirmed"
+            assert admin.publish(ended_channel("more/call/3"), "succeeded") == 1
+            assert watches[3].wait(WOKEN_WITHIN)
+            assert watches[3].message == b"succeeded"
+            # Then one connection served them all: the thread was woken for each new watch
+            # through a pipe of its own, not by a publish on a second connection
+            assert _connections(admin) == before + 1
+            for watch in watches:
+                watch.close()
+        watcher.close()
+        wait_until(lambda: _connections(admin) == before, 10, "the watcher's connection to close")
+    finally:
+        watcher.close()
+        admin.close()
+        server.cleanup()
+
+
+def test_a_new_watch_is_subscribed_at_once_however_long_the_thread_would_wait(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dex_tasks.broker import notify
+
+    # Given a watcher thread that would wait a minute for Redis before looking again
+    monkeypatch.setattr(notify, "_IDLE_WAIT_SECONDS", 60.0)
+    watcher = CallWatcher(redis_connector(redis_url))
+    try:
+        with watcher.watch("idle/first/call") as first:
+            assert first.wait(WOKEN_WITHIN)
+            # When a call is watched while the thread waits
+            for i in range(3):
+                started = time.monotonic()
+                with watcher.watch(f"idle/next/call/{i}") as watch:
+                    # Then its subscription is sent and confirmed at once: the waiter woke
+                    # the thread, which did not sit out its wait
+                    assert watch.wait(WOKEN_WITHIN), "the thread was not woken for a watch"
+                assert time.monotonic() - started < WOKEN_WITHIN
+    finally:
+        watcher.close()
+    assert watcher._thread is not None and not watcher._thread.is_alive()
+
+
+def test_a_forked_child_watches_with_its_own_thread_and_pipe(redis_url: str) -> None:
+    watcher = CallWatcher(redis_connector(redis_url))
+    publisher = redis.Redis.from_url(redis_url)
+    try:
+        # Given a parent whose watcher runs
+        with watcher.watch("fork/parent/before") as before:
+            assert before.wait(WOKEN_WITHIN)
+        pid = os.fork()
+        if pid == 0:  # the child: watch and be woken by an announcement, then report
+            code = 1
+            try:
+                child_publisher = redis.Redis.from_url(redis_url)
+                with watcher.watch("fork/child/call") as watch:
+                    if watch.wait(WOKEN_WITHIN):
+                        child_publisher.publish(ended_channel("fork/child/call"), "failed")
+                        if watch.wait(WOKEN_WITHIN) and watch.message == b"failed":
+                            code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        # Then the child was woken by its own subscription and announcement
+        assert os.waitstatus_to_exitcode(status) == 0
+        # And the parent's watcher still works
+        with watcher.watch("fork/parent/after") as after:
+            assert after.wait(WOKEN_WITHIN)
+            publisher.publish(ended_channel("fork/parent/after"), "succeeded")
+            assert after.wait(WOKEN_WITHIN)
+            assert after.message == b"succeeded"
+    finally:
+        watcher.close()
+        publisher.close()
+
+
 def _ended_batch(prefix: str, count: int) -> list[EndedCall]:
     """``count`` ended calls over two tools, three statuses and several latency buckets."""
     now = time.time()

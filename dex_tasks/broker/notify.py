@@ -19,16 +19,17 @@ Two sides, both on Redis pub/sub, one channel per call (``dex:ended:<key>``):
 Why pub/sub and not a per-call list with ``BLPOP``: ``BLPOP`` needs no confirmation step, but it
 holds one Redis connection per waiting call (an asyncio agent waiting on 40 calls at once holds
 40), leaves a key per ended call in Redis until it expires, and wakes only one of several
-waiters of the same call. Pub/sub costs two connections per client (one to listen, one to wake
-the listening thread) and nothing in Redis when nobody listens; the race it has (a call ending
-between the waiter's read and its subscription) is closed by reading the store again once the
-subscription is confirmed.
+waiters of the same call. Pub/sub costs one connection per client, and nothing in Redis when
+nobody listens; the race it has (a call ending between the waiter's read and its subscription)
+is closed by reading the store again once the subscription is confirmed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import select
 import threading
 import time
 import uuid
@@ -51,17 +52,18 @@ CHANNEL_PREFIX = "dex:ended:"
 """Prefix of the pub/sub channel of one call: ``dex:ended:<idempotency key>``."""
 
 REDIS_TIMEOUT_SECONDS = 1.0
-"""Connect and reply timeout of the notifier's Redis client (``announce.py``) and of the
-client that wakes the watcher's thread: a dead Redis delays a commit's hooks by at most this
-much, once per quiet period."""
+"""Connect and reply timeout of the notifier's Redis client (``announce.py``): a dead Redis
+delays a commit's hooks by at most this much, once per quiet period."""
 
 Connect = Callable[[float], redis.Redis]
 """Makes a Redis client whose socket and connect timeouts are the given seconds."""
 
-# The watcher's connection: its reply timeout, how long it may hear nothing before it pings,
-# and how long without any reply (pong included) before it takes the connection for dead and
-# opens another.
+# The watcher's connection: its reply timeout, how long its thread waits at most for Redis or
+# a waiter before it looks at the time, how long it may hear nothing before it pings, and how
+# long without any reply (pong included) before it takes the connection for dead and opens
+# another.
 _WATCHER_SOCKET_TIMEOUT = 5.0
+_IDLE_WAIT_SECONDS = 1.0
 _IDLE_PING_SECONDS = 5.0
 _DEAD_AFTER_SECONDS = 15.0
 _RECONNECT_FIRST_PAUSE = 0.05
@@ -223,9 +225,12 @@ class CallWatcher:
     redis-py's pub/sub objects must not be shared between threads, so only the watcher's thread
     touches its connection: waiters queue SUBSCRIBE / UNSUBSCRIBE requests, which the thread
     sends in the order they were made, and a waiter that needs a subscription now wakes the
-    thread by publishing to the thread's own channel. The thread starts on first use,
-    reconnects with backoff when the connection is lost, and then wakes every waiter (they
-    poll the store quickly until it is back).
+    thread with a byte on a pipe of this process's own, which the thread waits on beside its
+    connection (:meth:`_sleep`). (It once published to a channel of the thread's own instead:
+    a second Redis connection per client, and a round trip, a message to parse and a
+    thread's wake-up more on every ``wait`` that found its call still running.) The thread
+    starts on first use, reconnects with backoff when the connection is lost, and then wakes
+    every waiter (they poll the store quickly until it is back).
     """
 
     def __init__(self, connect: Connect) -> None:
@@ -238,7 +243,11 @@ class CallWatcher:
         self._watches: dict[str, list[Watch]] = {}
         self._requests: list[tuple[str, str]] = []
         self._thread: threading.Thread | None = None
-        self._poker: redis.Redis | None = None
+        # The pipe a waiter wakes the thread with (made with the thread; a forked child's
+        # copies of its parent's are its parent's business, never read or closed here).
+        self._wake_pipe: tuple[int, int] | None = None
+        # Subscribed with the calls' channels, so that the connection always has one (a
+        # SUBSCRIBE of no channel is an error) and its confirmation says it is live.
         self._own_channel = f"dex:watcher:{uuid.uuid4().hex}"
         self._live = False
         self._failed = False  # a connection failed and no new one is up yet
@@ -294,23 +303,34 @@ class CallWatcher:
         if thread is not None and self._pid == os.getpid():
             self._poke()
             thread.join(2.0)
-        if self._poker is not None:
-            self._poker.close()
+            if not thread.is_alive() and self._wake_pipe is not None:
+                # (Left open if the thread is still in its wait: closing a descriptor under
+                # a poll is undefined, and a daemon thread ends with the process.)
+                for fd in self._wake_pipe:
+                    os.close(fd)
+                self._wake_pipe = None
 
     def _start(self) -> None:
         # Under self._lock.
         if self._thread is None:
+            read, write = os.pipe()
+            os.set_blocking(read, False)
+            os.set_blocking(write, False)
+            self._wake_pipe = (read, write)
             self._thread = threading.Thread(target=self._run, name="dex-call-watcher",
                                              daemon=True)
             self._thread.start()
 
     def _poke(self) -> None:
-        """Wake the watcher's thread out of its read, so it sends the queued commands now."""
+        """Wake the watcher's thread out of its wait, so it sends the queued commands now."""
+        pipe = self._wake_pipe
+        if pipe is None:
+            return
         try:
-            if self._poker is None:
-                self._poker = self._connect(REDIS_TIMEOUT_SECONDS)
-            self._poker.publish(self._own_channel, b"")
-        except Exception:
+            os.write(pipe[1], b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full: the thread has wake-ups enough waiting
+        except OSError:
             log.debug("could not wake the call watcher", exc_info=True)
 
     def _wake(self, channel: str | None, message: str | bytes | None = None) -> None:
@@ -367,7 +387,12 @@ class CallWatcher:
         heard = pinged = time.monotonic()
         while not self._closed:
             self._send(pubsub)
-            message = pubsub.get_message(timeout=1.0)
+            # What redis-py has already read comes first (a wait on the socket would not see
+            # it); only when nothing is left does the thread wait, for Redis or a waiter.
+            message = pubsub.get_message(timeout=0)
+            if message is None:
+                self._sleep(pubsub, _IDLE_WAIT_SECONDS)
+                message = pubsub.get_message(timeout=0)
             now = time.monotonic()
             if message is None:
                 if now - heard > _DEAD_AFTER_SECONDS:
@@ -385,6 +410,24 @@ class CallWatcher:
                 # before it, and they must read the store once more.
                 data = message.get("data") if message.get("type") == "message" else None
                 self._wake(str(channel), data if isinstance(data, str | bytes) else None)
+
+    def _sleep(self, pubsub: Any, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for Redis to send something on the connection or a
+        waiter to poke the thread (its byte is taken here)."""
+        # kombu reads its pub/sub socket the same way, from redis-py's connection: there is
+        # no public name for it. A connection with no socket was lost: the caller reconnects.
+        sock = getattr(pubsub.connection, "_sock", None)
+        pipe = self._wake_pipe
+        if sock is None or pipe is None:
+            raise redis.ConnectionError("the call watcher's connection is closed")
+        poller = select.poll()
+        poller.register(sock, select.POLLIN | select.POLLPRI)
+        poller.register(pipe[0], select.POLLIN)
+        for fd, _ in poller.poll(timeout * 1000):
+            if fd == pipe[0]:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(pipe[0], 512):
+                        pass
 
     def _send(self, pubsub: Any) -> None:
         """Send the queued requests in order; consecutive ones of a kind in one command, so a
