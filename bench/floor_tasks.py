@@ -238,6 +238,18 @@ def _in_child() -> tuple[Floor, redis.Redis]:
     return _worker["floor"], _worker["redis"]
 
 
+def forget_child() -> None:
+    """Close this process's connection and Redis client (``_in_child`` makes new ones from the
+    environment on the next call): ``bench child`` runs the floor in process, store after
+    store."""
+    floor, client = _worker.pop("floor", None), _worker.pop("redis", None)
+    _worker.clear()
+    if floor is not None:
+        floor.close()
+    if client is not None:
+        client.close()
+
+
 def floor_call(key: str, lean: bool = False) -> None:
     """A worker's part of one call: read, lease, run the no-op, end, drop the lease and
     announce (``lean``: the narrower ending, :meth:`Floor.end`)."""

@@ -18,6 +18,7 @@ from rich.console import Console
 from sqlalchemy import select
 
 from bench.batch import run_batch
+from bench.child import PIECES, run_child
 from bench.driver import run_driver
 from bench.held import OPERATIONS, VARIANTS, run_held
 from bench.infra import child_env
@@ -87,6 +88,20 @@ def test_held_times_each_store_operation_held_and_pooled(tmp_path: Path) -> None
         assert list(variants) == list(VARIANTS)
         for ops in variants.values():
             assert list(ops) == list(OPERATIONS) and all(v > 0 for v in ops.values()), ops
+
+
+def test_child_times_each_piece_of_a_childs_part_beside_the_floors(tmp_path: Path) -> None:
+    stores = ["sqlite", "postgres"] if POSTGRES_URL else ["sqlite"]
+    data = _written(run_child(calls=5, rounds=2, stores=stores, postgres_url=POSTGRES_URL,
+                              out_dir=tmp_path, console=_quiet()), tmp_path)
+    assert list(data["stores"]) == stores
+    for variants in data["stores"].values():
+        assert list(variants) == ["dex-tasks", "floor"]
+        for pieces in variants.values():
+            assert list(pieces) == list(PIECES), pieces
+            # Every piece ran (a piece left out would read 0), and the whole holds them all.
+            assert all(pieces[p] > 0 for p in PIECES if p != "the rest"), pieces
+            assert pieces["whole"] >= sum(pieces[p] for p in PIECES[:4]), pieces
 
 
 def test_overlap_times_the_insert_and_publish_both_ways(tmp_path: Path,

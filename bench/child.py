@@ -1,0 +1,200 @@
+"""``python -m bench child``: a worker child's part of a call, piece by piece, dex-tasks beside
+the contract's floor (issue 29).
+
+No worker, pool or delivery: this process runs the retrying task's body as a prefork child
+runs it (the registered task's ``run``, ``execution.run_retrying``) on calls inserted into a
+fresh store, and the floor's (``floor_tasks.floor_call``) on calls of the same kind, the two
+alternating round by round. Each piece is timed by this process's CPU (``time.process_time``)
+around the function that does it:
+
+* ``read``: the call's read (``Store.get_call``; the floor's ``Floor.read``);
+* ``lease``: the attempt's lease in Redis (``Runs.start``; the floor's ``SET``);
+* ``ending``: the ending's store write, its after-commit hooks left out (``Store.transition``
+  less the announcement; ``Floor.end``);
+* ``announcement``: the Redis round trip after the commit (``EndedNotifier``, its signed record
+  included; the floor's ``DEL`` and ``PUBLISH`` pipeline);
+* ``the rest``: everything else in the body (the checks, the tool, the Python around the
+  pieces), and ``whole``: the body.
+
+On SQLite the database's own work runs in this process and is counted; on PostgreSQL it runs
+in the server and is not. A child in a live worker, sharing the machine's caches with the
+other processes, costs more than one warm in a loop here: these figures are the pieces' sizes
+relative to each other and to the floor's, not a live child's CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Task
+from rich.console import Console
+from rich.table import Table
+
+import bench.noop_tools  # noqa: F401 - registers the no-op tools in this process
+from bench import floor_tasks
+from bench.driver import call_row
+from bench.infra import READ_TOOL, BenchError, bench_session, fresh_store, median, save_results
+from dex_tasks import DexSettings
+from dex_tasks.broker.announce import EndedNotifier
+from dex_tasks.broker.celery_app import RUN_RETRYING, create_app
+from dex_tasks.broker.runs import Runs
+from dex_tasks.store import Store
+from dex_tasks.worker.main_process import register_tasks
+from dex_tasks.worker.runtime import runtime
+
+PIECES = ("read", "lease", "ending", "announcement", "the rest", "whole")
+VARIANTS = ("dex-tasks", "floor")
+DEX_DB = 1
+OWNER_HOST = "bench-child@host"
+
+
+class Clock:
+    """CPU seconds spent in the functions :meth:`timing` wraps, by piece."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+
+    @contextmanager
+    def timing(self, targets: Sequence[tuple[Any, str, str]]) -> Iterator[None]:
+        """Wrap each ``(owner, attribute, piece)`` for the ``with`` block."""
+        with ExitStack() as stack:
+            for owner, name, piece in targets:
+                original = getattr(owner, name)
+                setattr(owner, name, self._timed(original, piece))
+                stack.callback(setattr, owner, name, original)
+            yield
+
+    def _timed(self, fn: Callable[..., Any], piece: str) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[piece] = self.spent.get(piece, 0.0) + time.process_time() - started
+        return timed
+
+
+def _calls(store: Store, count: int) -> list[str]:
+    """``count`` new queued calls of the no-op read tool, over 20 sessions."""
+    keys = []
+    for i in range(count):
+        key = f"s{i % 20}/t/{uuid.uuid4().hex[:12]}"
+        row = call_row(key, time.time())
+        row.update(tool=READ_TOOL, arguments="{}")
+        store.insert_call(row)
+        keys.append(key)
+    return keys
+
+
+def _dex_round(task: Task, keys: Sequence[str]) -> dict[str, float]:
+    clock = Clock()
+    targets = [(Store, "get_call", "read"), (Runs, "start", "lease"),
+               (Store, "transition", "ending"), (EndedNotifier, "__call__", "announcement")]
+    whole = 0.0
+    with clock.timing(targets):
+        for key in keys:
+            # The request a worker's trace pushes around the body (not timed: the floor's
+            # task has one too, and its call here is timed without).
+            task.push_request(hostname=OWNER_HOST, id=str(uuid.uuid4()), retries=0,
+                              delivery_info={})
+            try:
+                started = time.process_time()
+                task.run(key)
+                whole += time.process_time() - started
+            finally:
+                task.pop_request()
+    spent = clock.spent
+    # The announcement runs inside the transition (its after-commit hook).
+    spent["ending"] = spent.get("ending", 0.0) - spent.get("announcement", 0.0)
+    return _per_call(spent, whole, len(keys))
+
+
+def _floor_round(keys: Sequence[str]) -> dict[str, float]:
+    clock = Clock()
+    targets = [(floor_tasks.Floor, "read", "read"), (redis.Redis, "set", "lease"),
+               (floor_tasks.Floor, "end", "ending"),
+               (redis.client.Pipeline, "execute", "announcement")]
+    started = time.process_time()
+    with clock.timing(targets):
+        for key in keys:
+            floor_tasks.floor_call(key)
+    return _per_call(clock.spent, time.process_time() - started, len(keys))
+
+
+def _per_call(spent: dict[str, float], whole: float, calls: int) -> dict[str, float]:
+    pieces = {p: spent.get(p, 0.0) for p in PIECES[:4]}
+    pieces["the rest"] = whole - sum(pieces.values())
+    pieces["whole"] = whole
+    return {p: seconds / calls for p, seconds in pieces.items()}
+
+
+def _measure(url: str, redis_url: str, calls: int, rounds: int) -> dict[str, dict[str, float]]:
+    settings = DexSettings(redis_url=redis_url, database_url=url)
+    store = Store(url)
+    store.create_all()
+    app = create_app(settings)
+    register_tasks(app)
+    task = app.tasks[RUN_RETRYING]
+    floor_env = {"BENCH_FLOOR_DATABASE": url, "BENCH_FLOOR_BROKER": redis_url}
+    saved = {name: os.environ.get(name) for name in floor_env}
+    os.environ.update(floor_env)
+    floor_tasks.forget_child()
+    seen: dict[str, dict[str, list[float]]] = {v: {p: [] for p in PIECES} for v in VARIANTS}
+    try:
+        _dex_round(task, _calls(store, 100))  # warm: connections, scripts, statements
+        _floor_round(_calls(store, 100))
+        for r in range(rounds):
+            for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+                keys = _calls(store, calls)
+                measured = (_dex_round(task, keys) if variant == "dex-tasks"
+                            else _floor_round(keys))
+                for piece, seconds in measured.items():
+                    seen[variant][piece].append(seconds)
+                ended = [store.get_call(k) for k in keys[-5:]]
+                if not all(c is not None and c.status == "succeeded" for c in ended):
+                    raise BenchError(f"{variant}: the calls did not succeed")
+    finally:
+        floor_tasks.forget_child()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        # The body ran on this process's worker runtime, made for this app on first use.
+        rt = runtime(app)
+        rt.store.close()
+        rt.redis.close()
+        store.close()
+        app.close()
+    return {v: {p: round(median(s) * 1e6, 1) for p, s in ps.items()} for v, ps in seen.items()}
+
+
+def run_child(*, calls: int, rounds: int, stores: Sequence[str], postgres_url: str | None,
+              out_dir: Path | None, console: Console) -> dict[str, Any]:
+    """Run every store's rounds, print the table, save the results."""
+    results: dict[str, Any] = {"calls": calls, "rounds": rounds, "stores": {}}
+    table = Table(title="A worker child's part of a call, CPU of this process per call, µs "
+                        "(median of the rounds)")
+    for column in ("store", "piece", *VARIANTS, "difference"):
+        table.add_column(column, justify="left" if column in ("store", "piece") else "right")
+    with bench_session("child", stores, postgres_url) as (redis_server, machine, workdir):
+        results["machine"] = machine
+        for kind in stores:
+            with fresh_store(kind, postgres_url, workdir) as url:
+                figures = _measure(url, redis_server.url(DEX_DB), calls, rounds)
+            results["stores"][kind] = figures
+            for piece in PIECES:
+                dex, floor = figures["dex-tasks"][piece], figures["floor"][piece]
+                table.add_row(kind, piece, f"{dex:,.0f}", f"{floor:,.0f}", f"{dex - floor:+,.0f}")
+    console.print(table)
+    console.print("On PostgreSQL the database server's CPU is not in these figures.")
+    return save_results("child", results, out_dir, console)
