@@ -212,6 +212,37 @@ def test_tls_redis_for_the_broker_and_the_claims(
     assert ledger.executions(ledger_path) == {read.key: 1, charge.key: 1}
 
 
+def test_a_waiter_over_tls_is_woken_by_the_announcement_not_by_a_poll(
+    tls_redis: tuple[Certificates, int], sqlite_url: str
+) -> None:
+    from dex_tasks.broker.notify import CallWatcher, ended_channel
+    from dex_tasks.broker.redis_clients import connector
+
+    # Given a watcher on a TLS Redis (its thread waits on the TLS socket and its own pipe)
+    certs, port = tls_redis
+    settings = fast_settings(f"rediss://127.0.0.1:{port}/0", sqlite_url,
+                             redis_tls_ca_file=str(certs.ca),
+                             redis_tls_cert_file=str(certs.client_cert),
+                             redis_tls_key_file=str(certs.client_key))
+    watcher = CallWatcher(connector(settings))
+    publisher = redis_client(settings)
+    try:
+        with watcher.watch("tls/first") as first:
+            assert first.wait(15), "the subscription over TLS was not confirmed"
+        for i in range(3):
+            with watcher.watch(f"tls/call/{i}") as watch:
+                assert watch.wait(15), "a later subscription over TLS was not confirmed"
+                # When its call's end is announced, with a record of several TLS records' size
+                message = "succeeded " + "x" * 40_000
+                assert publisher.publish(ended_channel(f"tls/call/{i}"), message) == 1
+                # Then the watch hears all of it
+                assert watch.wait(15), "the announcement over TLS did not wake the waiter"
+                assert watch.message == message.encode()
+    finally:
+        watcher.close()
+        publisher.close()
+
+
 def test_a_redis_whose_certificate_is_not_trusted_is_refused(
     tls_redis: tuple[Certificates, int], sqlite_url: str
 ) -> None:
