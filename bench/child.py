@@ -68,8 +68,12 @@ class Clock:
         with ExitStack() as stack:
             for owner, name, piece in targets:
                 original = getattr(owner, name)
+                # Put back as it was: an attribute the class inherited is deleted again.
+                if name in vars(owner):
+                    stack.callback(setattr, owner, name, original)
+                else:
+                    stack.callback(delattr, owner, name)
                 setattr(owner, name, self._timed(original, piece))
-                stack.callback(setattr, owner, name, original)
             yield
 
     def _timed(self, fn: Callable[..., Any], piece: str) -> Callable[..., Any]:
