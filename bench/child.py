@@ -10,7 +10,10 @@ around the function that does it:
 * ``read``: the call's read (``Store.get_call``; the floor's ``Floor.read``);
 * ``lease``: the attempt's lease in Redis (``Runs.start``; the floor's ``SET``);
 * ``ending``: the ending's store write, its after-commit hooks left out (``Store.transition``
-  less the announcement; ``Floor.end``);
+  less the announcement; ``Floor.end``), and for dex-tasks two parts of it: its statements
+  (``store.driver``'s ``run`` and ``run_many`` inside the ending) and its transaction's
+  ``BEGIN`` and ``COMMIT`` (SQLAlchemy's ``Connection.begin`` and the dialect's ``do_commit``;
+  none on PostgreSQL, whose ending is one statement in autocommit);
 * ``announcement``: the Redis round trip after the commit (``EndedNotifier``, its signed record
   included; the floor's ``DEL`` and ``PUBLISH`` pipeline);
 * ``the rest``: everything else in the body (the checks, the tool, the Python around the
@@ -37,6 +40,8 @@ import redis
 from celery import Task
 from rich.console import Console
 from rich.table import Table
+from sqlalchemy.engine import Connection
+from sqlalchemy.engine.default import DefaultDialect
 
 import bench.noop_tools  # noqa: F401 - registers the no-op tools in this process
 from bench import floor_tasks
@@ -46,11 +51,13 @@ from dex_tasks import DexSettings
 from dex_tasks.broker.announce import EndedNotifier
 from dex_tasks.broker.celery_app import RUN_RETRYING, create_app
 from dex_tasks.broker.runs import Runs
-from dex_tasks.store import Store
+from dex_tasks.store import Store, driver
 from dex_tasks.worker.main_process import register_tasks
 from dex_tasks.worker.runtime import runtime
 
 PIECES = ("read", "lease", "ending", "announcement", "the rest", "whole")
+# Parts of dex-tasks' ending, timed only inside it.
+ENDING_PARTS = ("ending: its statements", "ending: its BEGIN and COMMIT")
 VARIANTS = ("dex-tasks", "floor")
 DEX_DB = 1
 OWNER_HOST = "bench-child@host"
@@ -61,29 +68,36 @@ class Clock:
 
     def __init__(self) -> None:
         self.spent: dict[str, float] = {}
+        self._running: list[str] = []  # the pieces being timed now, outermost first
 
     @contextmanager
-    def timing(self, targets: Sequence[tuple[Any, str, str]]) -> Iterator[None]:
-        """Wrap each ``(owner, attribute, piece)`` for the ``with`` block."""
+    def timing(self, targets: Sequence[tuple[Any, ...]]) -> Iterator[None]:
+        """Wrap each ``(owner, attribute, piece)`` for the ``with`` block; a fourth item
+        names a piece the call is timed inside of only (its other calls are not timed)."""
         with ExitStack() as stack:
-            for owner, name, piece in targets:
+            for owner, name, piece, *inside in targets:
                 original = getattr(owner, name)
                 # Put back as it was: an attribute the class inherited is deleted again.
                 if name in vars(owner):
                     stack.callback(setattr, owner, name, original)
                 else:
                     stack.callback(delattr, owner, name)
-                setattr(owner, name, self._timed(original, piece))
+                setattr(owner, name, self._timed(original, piece, inside[0] if inside else None))
             yield
 
-    def _timed(self, fn: Callable[..., Any], piece: str) -> Callable[..., Any]:
+    def _timed(self, fn: Callable[..., Any], piece: str,
+               inside: str | None) -> Callable[..., Any]:
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if inside is not None and inside not in self._running:
+                return fn(*args, **kwargs)
+            self._running.append(piece)
             started = time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.spent[piece] = self.spent.get(piece, 0.0) + time.process_time() - started
+                self._running.pop()
         return timed
 
 
@@ -101,8 +115,12 @@ def _calls(store: Store, count: int) -> list[str]:
 
 def _dex_round(task: Task, keys: Sequence[str]) -> dict[str, float]:
     clock = Clock()
+    statements, transaction = ENDING_PARTS
     targets = [(Store, "get_call", "read"), (Runs, "start", "lease"),
-               (Store, "transition", "ending"), (EndedNotifier, "__call__", "announcement")]
+               (Store, "transition", "ending"), (EndedNotifier, "__call__", "announcement"),
+               (driver, "run", statements, "ending"), (driver, "run_many", statements, "ending"),
+               (Connection, "begin", transaction, "ending"),
+               (DefaultDialect, "do_commit", transaction, "ending")]
     whole = 0.0
     with clock.timing(targets):
         for key in keys:
@@ -119,7 +137,8 @@ def _dex_round(task: Task, keys: Sequence[str]) -> dict[str, float]:
     spent = clock.spent
     # The announcement runs inside the transition (its after-commit hook).
     spent["ending"] = spent.get("ending", 0.0) - spent.get("announcement", 0.0)
-    return _per_call(spent, whole, len(keys))
+    return {**_per_call(spent, whole, len(keys)),
+            **{part: spent.get(part, 0.0) / len(keys) for part in ENDING_PARTS}}
 
 
 def _floor_round(keys: Sequence[str]) -> dict[str, float]:
@@ -152,7 +171,7 @@ def _measure(url: str, redis_url: str, calls: int, rounds: int) -> dict[str, dic
     saved = {name: os.environ.get(name) for name in floor_env}
     os.environ.update(floor_env)
     floor_tasks.forget_child()
-    seen: dict[str, dict[str, list[float]]] = {v: {p: [] for p in PIECES} for v in VARIANTS}
+    seen: dict[str, dict[str, list[float]]] = {v: {} for v in VARIANTS}
     try:
         _dex_round(task, _calls(store, 100))  # warm: connections, scripts, statements
         _floor_round(_calls(store, 100))
@@ -162,7 +181,7 @@ def _measure(url: str, redis_url: str, calls: int, rounds: int) -> dict[str, dic
                 measured = (_dex_round(task, keys) if variant == "dex-tasks"
                             else _floor_round(keys))
                 for piece, seconds in measured.items():
-                    seen[variant][piece].append(seconds)
+                    seen[variant].setdefault(piece, []).append(seconds)
                 ended = [store.get_call(k) for k in keys[-5:]]
                 if not all(c is not None and c.status == "succeeded" for c in ended):
                     raise BenchError(f"{variant}: the calls did not succeed")
@@ -199,6 +218,10 @@ def run_child(*, calls: int, rounds: int, stores: Sequence[str], postgres_url: s
             for piece in PIECES:
                 dex, floor = figures["dex-tasks"][piece], figures["floor"][piece]
                 table.add_row(kind, piece, f"{dex:,.0f}", f"{floor:,.0f}", f"{dex - floor:+,.0f}")
+                if piece == "ending":
+                    for part in ENDING_PARTS:
+                        table.add_row(kind, f"  {part.removeprefix('ending: ')}",
+                                      f"{figures['dex-tasks'][part]:,.0f}", "", "")
     console.print(table)
     console.print("On PostgreSQL the database server's CPU is not in these figures.")
     return save_results("child", results, out_dir, console)

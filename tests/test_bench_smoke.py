@@ -18,7 +18,7 @@ from rich.console import Console
 from sqlalchemy import select
 
 from bench.batch import run_batch
-from bench.child import PIECES, run_child
+from bench.child import ENDING_PARTS, PIECES, run_child
 from bench.driver import run_driver
 from bench.held import OPERATIONS, VARIANTS, run_held
 from bench.infra import child_env
@@ -95,13 +95,20 @@ def test_child_times_each_piece_of_a_childs_part_beside_the_floors(tmp_path: Pat
     data = _written(run_child(calls=5, rounds=2, stores=stores, postgres_url=POSTGRES_URL,
                               out_dir=tmp_path, console=_quiet()), tmp_path)
     assert list(data["stores"]) == stores
-    for variants in data["stores"].values():
+    for kind, variants in data["stores"].items():
         assert list(variants) == ["dex-tasks", "floor"]
-        for pieces in variants.values():
-            assert list(pieces) == list(PIECES), pieces
+        for variant, pieces in variants.items():
+            parts = list(ENDING_PARTS) if variant == "dex-tasks" else []
+            assert list(pieces) == [*PIECES, *parts], pieces
             # Every piece ran (a piece left out would read 0), and the whole holds them all.
             assert all(pieces[p] > 0 for p in PIECES if p != "the rest"), pieces
             assert pieces["whole"] >= sum(pieces[p] for p in PIECES[:4]), pieces
+        # The ending's statements are timed inside it (the read's own are not among them);
+        # SQLite's ending is a transaction of its own, PostgreSQL's one autocommit statement.
+        dex = variants["dex-tasks"]
+        statements, transaction = ENDING_PARTS
+        assert 0 < dex[statements] < dex["ending"] + dex["announcement"], dex
+        assert (dex[transaction] > 0) is (kind == "sqlite"), dex
 
 
 def test_overlap_times_the_insert_and_publish_both_ways(tmp_path: Path,
