@@ -178,15 +178,20 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Certif
     server.cleanup()
 
 
+def _tls_settings(tls_redis: tuple[Certificates, int], sqlite_url: str) -> DexSettings:
+    """Settings for the TLS Redis: rediss://, our CA, a client certificate."""
+    certs, port = tls_redis
+    return fast_settings(f"rediss://127.0.0.1:{port}/0", sqlite_url,
+                         redis_tls_ca_file=str(certs.ca),
+                         redis_tls_cert_file=str(certs.client_cert),
+                         redis_tls_key_file=str(certs.client_key))
+
+
 def test_tls_redis_for_the_broker_and_the_claims(
     tls_redis: tuple[Certificates, int], sqlite_url: str, ledger_path: Path, tmp_path: Path
 ) -> None:
     # Given a worker and an agent configured for it: rediss://, our CA, a client certificate
-    certs, port = tls_redis
-    settings = fast_settings(f"rediss://127.0.0.1:{port}/0", sqlite_url,
-                             redis_tls_ca_file=str(certs.ca),
-                             redis_tls_cert_file=str(certs.client_cert),
-                             redis_tls_key_file=str(certs.client_key))
+    settings = _tls_settings(tls_redis, sqlite_url)
     env = settings_env(settings, ledger_path)
     worker = WorkerProcess(start_process(["worker", "--tools", "workers.example_tools",
                                           "-c", "1"], env, tmp_path / "worker.log"),
@@ -219,11 +224,7 @@ def test_a_waiter_over_tls_is_woken_by_the_announcement_not_by_a_poll(
     from dex_tasks.broker.redis_clients import connector
 
     # Given a watcher on a TLS Redis (its thread waits on the TLS socket and its own pipe)
-    certs, port = tls_redis
-    settings = fast_settings(f"rediss://127.0.0.1:{port}/0", sqlite_url,
-                             redis_tls_ca_file=str(certs.ca),
-                             redis_tls_cert_file=str(certs.client_cert),
-                             redis_tls_key_file=str(certs.client_key))
+    settings = _tls_settings(tls_redis, sqlite_url)
     watcher = CallWatcher(connector(settings))
     publisher = redis_client(settings)
     try:
