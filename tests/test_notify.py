@@ -360,7 +360,7 @@ def _connections(admin: redis.Redis) -> int:
     return len(admin.client_list()) - 1
 
 
-def test_a_watcher_holds_one_redis_connection_and_is_woken_without_redis() -> None:
+def test_a_watcher_holds_one_redis_connection_however_many_calls_it_watches() -> None:
     from tests.helpers import RedisServer
 
     server = RedisServer(free_port()).start()
