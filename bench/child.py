@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import redis
 from celery import Task
@@ -76,13 +77,9 @@ class Clock:
         names a piece the call is timed inside of only (its other calls are not timed)."""
         with ExitStack() as stack:
             for owner, name, piece, *inside in targets:
-                original = getattr(owner, name)
-                # Put back as it was: an attribute the class inherited is deleted again.
-                if name in vars(owner):
-                    stack.callback(setattr, owner, name, original)
-                else:
-                    stack.callback(delattr, owner, name)
-                setattr(owner, name, self._timed(original, piece, inside[0] if inside else None))
+                # patch.object puts each back as it was (an inherited one is deleted again).
+                timed = self._timed(getattr(owner, name), piece, inside[0] if inside else None)
+                stack.enter_context(mock.patch.object(owner, name, timed))
             yield
 
     def _timed(self, fn: Callable[..., Any], piece: str,
