@@ -12,8 +12,9 @@ around the function that does it:
 * ``ending``: the ending's store write, its after-commit hooks left out (``Store.transition``
   less the announcement; ``Floor.end``), and for dex-tasks two parts of it: its statements
   (``store.driver``'s ``run`` and ``run_many`` inside the ending) and its transaction's
-  ``BEGIN`` and ``COMMIT`` (SQLAlchemy's ``Connection.begin`` and the dialect's ``do_commit``;
-  none on PostgreSQL, whose ending is one statement in autocommit);
+  ``BEGIN`` and ``COMMIT`` (on SQLite sent on the DB-API connection, ``StoreBase``'s
+  ``sqlite_begin`` and ``run_text``; elsewhere SQLAlchemy's ``Connection.begin`` and the
+  dialect's ``do_commit``; none on PostgreSQL, whose ending is one statement in autocommit);
 * ``announcement``: the Redis round trip after the commit (``EndedNotifier``, its signed record
   included; the floor's ``DEL`` and ``PUBLISH`` pipeline);
 * ``the rest``: everything else in the body (the checks, the tool, the Python around the
@@ -52,7 +53,7 @@ from dex_tasks import DexSettings
 from dex_tasks.broker.announce import EndedNotifier
 from dex_tasks.broker.celery_app import RUN_RETRYING, create_app
 from dex_tasks.broker.runs import Runs
-from dex_tasks.store import Store, driver
+from dex_tasks.store import Store, base, driver
 from dex_tasks.worker.main_process import register_tasks
 from dex_tasks.worker.runtime import runtime
 
@@ -117,7 +118,10 @@ def _dex_round(task: Task, keys: Sequence[str]) -> dict[str, float]:
                (Store, "transition", "ending"), (EndedNotifier, "__call__", "announcement"),
                (driver, "run", statements, "ending"), (driver, "run_many", statements, "ending"),
                (Connection, "begin", transaction, "ending"),
-               (DefaultDialect, "do_commit", transaction, "ending")]
+               (DefaultDialect, "do_commit", transaction, "ending"),
+               # SQLite's ending begins and commits on the DB-API connection.
+               (base, "sqlite_begin", transaction, "ending"),
+               (base, "run_text", transaction, "ending")]
     whole = 0.0
     with clock.timing(targets):
         for key in keys:

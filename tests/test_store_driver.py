@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from dex_tasks.states import CallStatus
-from dex_tasks.store import CALLS, Store, driver
+from dex_tasks.store import CALLS, Started, Store, driver
 from dex_tasks.store.connections import retryable
-from dex_tasks.store.tables import INSERT_CALL
+from dex_tasks.store.tables import INSERT_CALL, MESSAGES
 
 
 @pytest.fixture
@@ -120,3 +120,101 @@ def test_a_value_given_by_name_overrides_the_statements_own(store: Store) -> Non
     with store.write() as conn:
         driver.run(conn, stmt, {"the_key": "s/t/c1", "the_worker": "given"})
     assert (store.get_call("s/t/c1") or _row("x")).worker == "given"
+
+
+# -- a move's transaction, begun and committed on the DB-API connection ---------------------
+
+
+def _started() -> Started:
+    return Started(time.time(), {"attempt": 1, "worker": "w@h:1"})
+
+
+def _lock_is_free(path: Path) -> bool:
+    """Whether another connection can take SQLite's write lock without waiting."""
+    other = sqlite3.connect(path, isolation_level=None, timeout=0)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        other.rollback()
+        return True
+    except sqlite3.OperationalError:
+        return False
+    finally:
+        other.close()
+
+
+def test_a_move_commits_and_leaves_no_transaction_open(store: Store, tmp_path: Path) -> None:
+    # Given a queued call whose attempt ran leased in Redis
+    assert store.insert_call(_row("s/t/c1"))
+    # When the attempt's ending is recorded (on SQLite, BEGIN and COMMIT go to the driver)
+    assert store.transition("s/t/c1", CallStatus.SUCCEEDED, allowed={CallStatus.QUEUED},
+                            match={"attempts": 0}, values={"attempts": 1, "result": "7"},
+                            started=_started())
+    # Then the move, both its events and its tool message are committed, and the write lock
+    # is free for every other connection
+    assert _lock_is_free(tmp_path / "dex.db")
+    call = store.get_call("s/t/c1")
+    assert call is not None and call.status == "succeeded" and call.result == "7"
+    events = store.events_for_call("s/t/c1")[1:]  # after tool_call_requested
+    assert [(e.event, e.from_status, e.to_status) for e in events] == [
+        ("tool_call_started", "queued", "running"),
+        ("tool_call_finished", "running", "succeeded")]
+    assert events[0].id is not None and events[1].id is not None
+    assert events[0].id < events[1].id
+    with store.read() as conn:
+        messages = conn.execute(select(MESSAGES.c.key, MESSAGES.c.tool_output)).all()
+    assert [tuple(m) for m in messages] == [("s/t/c1", "7")]
+
+
+def test_a_move_the_store_refuses_part_way_writes_nothing(store: Store,
+                                                         tmp_path: Path) -> None:
+    # Given a queued call, and a tool message already under its key (the unique index then
+    # refuses the ending's own, after its UPDATE and its events were sent)
+    assert store.insert_call(_row("s/t/c1"))
+    with store.write() as conn:
+        driver.run(conn, insert(MESSAGES), {"session_id": "s", "role": "tool",
+                                            "created_at": time.time(), "key": "s/t/c1"})
+    # When the ending is recorded, then it raises the driver's refusal...
+    with pytest.raises(IntegrityError):
+        store.transition("s/t/c1", CallStatus.SUCCEEDED, allowed={CallStatus.QUEUED},
+                         match={"attempts": 0}, values={"attempts": 1, "result": "7"},
+                         started=_started())
+    # ...and nothing of it was written: the call is queued with no event of its ending, and
+    # the lock is free
+    assert _lock_is_free(tmp_path / "dex.db")
+    call = store.get_call("s/t/c1")
+    assert call is not None and call.status == "queued" and call.attempts == 0
+    assert [e.event for e in store.events_for_call("s/t/c1")] == ["tool_call_requested"]
+    # And the connection it used serves the next ending
+    with store.write() as conn:
+        conn.execute(delete(MESSAGES))
+    assert store.transition("s/t/c1", CallStatus.SUCCEEDED, allowed={CallStatus.QUEUED},
+                            match={"attempts": 0}, values={"attempts": 1, "result": "7"},
+                            started=_started())
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_statement_sent_through_sqlalchemy_joins_the_drivers_transaction(
+        store: Store, tmp_path: Path, fails: bool) -> None:
+    # Given two calls, and a transaction begun on the driver
+    for key in ("s/t/c1", "s/t/c2"):
+        assert store.insert_call(_row(key))
+    stmt = update(CALLS).where(CALLS.c.key == bindparam("the_key")).values(worker="moved")
+
+    def both() -> None:
+        with store.committing(store.engine, on_driver=True) as conn:
+            # When one statement goes to the driver and one through SQLAlchemy's execute
+            driver.run(conn, stmt, {"the_key": "s/t/c1"})
+            conn.execute(stmt, {"the_key": "s/t/c2"})
+            if fails:
+                raise RuntimeError("the block fails")
+
+    if fails:
+        with pytest.raises(RuntimeError):
+            both()
+    else:
+        both()
+    # Then both are one transaction: committed together, or rolled back together
+    workers = {k: (store.get_call(k) or _row("x")).worker for k in ("s/t/c1", "s/t/c2")}
+    assert workers == ({"s/t/c1": None, "s/t/c2": None} if fails
+                       else {"s/t/c1": "moved", "s/t/c2": "moved"})
+    assert _lock_is_free(tmp_path / "dex.db")

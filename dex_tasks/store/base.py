@@ -24,14 +24,17 @@ from dex_tasks.errors import StoreRefusedError, StoreUnavailableError
 from dex_tasks.settings import DexSettings
 from dex_tasks.states import CallStatus
 from dex_tasks.store.connections import (
+    DRIVER_TRANSACTION,
     FORK_GUARD,
     RECYCLE,
     NetworkBounds,
     retryable,
     server_engine,
+    sqlite_begin,
     sqlite_engine,
     statements_bounded,
 )
+from dex_tasks.store.driver import run_text
 from dex_tasks.store.held import HeldConnection
 from dex_tasks.store.refusals import refusal
 from dex_tasks.store.tables import CALLS, STORE_NOW
@@ -253,14 +256,19 @@ class StoreBase:
             yield conn
 
     @contextmanager
-    def committing(self, engine: Engine, *, autocommit: bool = False) -> Iterator[Connection]:
+    def committing(self, engine: Engine, *, autocommit: bool = False,
+                   on_driver: bool = False) -> Iterator[Connection]:
         """``engine.begin()`` that, once the transaction has committed, hands the calls it
         ended (:func:`note_ended`) to the ``on_calls_ended`` hooks. Every write transaction
         that may end a call opens through here. ``autocommit``: ``engine`` is in autocommit
-        (each statement commits on its own), and the hooks run once the block is done."""
+        (each statement commits on its own), and the hooks run once the block is done.
+        ``on_driver``: SQLite's writers' engine, with the transaction begun and committed on
+        the DB-API connection (:meth:`_begun_on_driver`)."""
         ended: list[EndedCall] = []
         actions: list[Callable[[], None]] = []
-        with self._connect(engine) if autocommit else self._begin(engine) as conn:
+        with (self._connect(engine) if autocommit
+              else self._begun_on_driver(engine) if on_driver
+              else self._begin(engine)) as conn:
             info = conn.info  # one lookup: SQLAlchemy finds it through the pool's record
             info[ENDED_CALLS] = ended
             info[AFTER_COMMIT] = actions
@@ -297,6 +305,32 @@ class StoreBase:
         held = self._held.get(id(engine))
         return engine.begin() if held is None else held.begin()
 
+    @contextmanager
+    def _begun_on_driver(self, engine: Engine) -> Iterator[Connection]:
+        """SQLite: a write transaction of ``engine`` (the writers' one, whose transactions
+        take the write lock up front) whose ``BEGIN IMMEDIATE`` and ``COMMIT`` are sent on the
+        DB-API connection, for a block that sends its statements there too (``driver.run``).
+
+        Through ``engine.begin()`` SQLAlchemy's transaction objects, its events and the
+        dialect's commit cost a worker child about as much CPU as SQLite's own ``BEGIN`` and
+        ``COMMIT`` (issue 29). Nothing else changes: the connection is the held one, the lock
+        is taken up front with the same busy timeout (``connections.sqlite_begin``), a
+        statement the block sends through SQLAlchemy joins this transaction (and SQLAlchemy's
+        commit then commits it), and a block that raises leaves the connection to the pool,
+        whose reset rolls the transaction back."""
+        with self._connect(engine) as conn:
+            sqlite_begin(conn, immediate=True)
+            info = conn.info
+            info[DRIVER_TRANSACTION] = True
+            try:
+                yield conn
+                if conn.in_transaction():
+                    conn.commit()
+                else:
+                    run_text(conn, "COMMIT")
+            finally:
+                info.pop(DRIVER_TRANSACTION, None)
+
     def _connect(self, engine: Engine) -> AbstractContextManager[Connection]:
         """``engine.connect()``, on the held connection when ``engine`` is one of the
         store's."""
@@ -304,7 +338,7 @@ class StoreBase:
         return engine.connect() if held is None else held.connect()
 
     def _retrying(self, op: Callable[[Connection, int], T], *, read: bool = False,
-                  single: bool = False, prepared: bool = False) -> T:
+                  single: bool = False, prepared: bool = False, on_driver: bool = False) -> T:
         """Run ``op(conn, attempt)`` in a transaction of its own, and again on a new connection
         while the error is one a retry can cure (``connections.retryable``), for up to
         ``retry_seconds``; then :class:`StoreUnavailableError`.
@@ -323,6 +357,9 @@ class StoreBase:
         transaction: on SQLite it runs on the writers' connection, whose page cache this
         process's own writes keep current (the readers' connection would read again from the
         file every page that the last write, on the other connection, changed).
+        ``on_driver``: a write whose ``op`` sends its statements on the DB-API connection
+        too; on SQLite its transaction is begun and committed there
+        (:meth:`_begun_on_driver`).
         """
         autocommit = single and self.is_postgres and not statements_bounded()
         engine = (self.autocommit_engine if autocommit
@@ -335,7 +372,8 @@ class StoreBase:
         while True:
             try:
                 with self._fork_safe(), (self._connect(engine) if read else self.committing(
-                        engine, autocommit=autocommit)) as conn:
+                        engine, autocommit=autocommit,
+                        on_driver=on_driver and self.is_sqlite)) as conn:
                     return op(conn, attempt)
             except IntegrityError:
                 raise

@@ -93,19 +93,35 @@ def sqlite_engine(url: str, *, immediate: bool) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        # A bounded transaction (a sweep, a lease renewal: see bounded_statements) waits less
-        # for the write lock than the others; the pragma runs only when the bound changes.
-        bounds = _BOUNDS.get()
-        busy_ms = int(1000 * (bounds.lock if bounds else SQLITE_BUSY_SECONDS))
-        # (On the DB-API connection: SQLAlchemy's execute costs more than the BEGIN itself.)
-        if conn.info.get("dex_busy_ms") != busy_ms:
-            run_text(conn, f"PRAGMA busy_timeout={busy_ms}")
-            conn.info["dex_busy_ms"] = busy_ms
-        # Writers take the lock up front: a deferred transaction that reads and then writes can
-        # fail with SQLITE_BUSY at once instead of waiting on busy_timeout.
-        run_text(conn, "BEGIN IMMEDIATE" if immediate else "BEGIN")
+        sqlite_begin(conn, immediate=immediate)
 
     return engine
+
+
+# Set in a connection's ``info`` while a transaction begun on its SQLite DB-API connection is
+# open (``StoreBase``'s hot-path writes): SQLAlchemy's own begin then joins it.
+DRIVER_TRANSACTION = "dex_driver_transaction"
+
+
+def sqlite_begin(conn: Connection, *, immediate: bool) -> None:
+    """Begin a transaction on SQLite's DB-API connection under ``conn`` (what SQLAlchemy's
+    ``begin`` runs on the store's SQLite engines, and ``StoreBase``'s transactions begun on the
+    driver). Nothing inside a transaction begun on the driver (:data:`DRIVER_TRANSACTION`):
+    a statement sent through SQLAlchemy there joins it."""
+    info = conn.info
+    if info.get(DRIVER_TRANSACTION):
+        return
+    # A bounded transaction (a sweep, a lease renewal: see bounded_statements) waits less
+    # for the write lock than the others; the pragma runs only when the bound changes.
+    bounds = _BOUNDS.get()
+    busy_ms = int(1000 * (bounds.lock if bounds else SQLITE_BUSY_SECONDS))
+    # (On the DB-API connection: SQLAlchemy's execute costs more than the BEGIN itself.)
+    if info.get("dex_busy_ms") != busy_ms:
+        run_text(conn, f"PRAGMA busy_timeout={busy_ms}")
+        info["dex_busy_ms"] = busy_ms
+    # Writers take the lock up front: a deferred transaction that reads and then writes can
+    # fail with SQLITE_BUSY at once instead of waiting on busy_timeout.
+    run_text(conn, "BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
 def _use_wal(cur: Any) -> None:

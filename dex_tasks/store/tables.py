@@ -82,6 +82,16 @@ INSERT_EVENT = insert(EVENTS)
 INSERT_EVENT_QUEUED = INSERT_EVENT.returning(
     exists().where(MESSAGES.c.status == "queued",
                    MESSAGES.c.session_id == bindparam("queued_session")).label("queued"))
+# The same for an ending that also records its attempt's start (a retrying call's, leased in
+# Redis): both event rows in one statement, the start first (its id the lower); each returned
+# row says the same. Bound as ``<column>_0`` and ``<column>_1``.
+_EVENT_COLUMNS = ("session_id", "key", "event", "from_status", "to_status", "detail",
+                  "created_at")
+INSERT_EVENT_PAIR_QUEUED = insert(EVENTS).values(
+    [{c: bindparam(f"{c}_{i}", type_=EVENTS.c[c].type) for c in _EVENT_COLUMNS}
+     for i in (0, 1)]
+).returning(exists().where(MESSAGES.c.status == "queued",
+                           MESSAGES.c.session_id == bindparam("queued_session")).label("queued"))
 INSERT_MESSAGE = insert(MESSAGES)
 STORE_NOW = select(store_now())
 # A pruned single-attempt call that ran leaves this event under its key (and no session, so no

@@ -63,6 +63,7 @@ from dex_tasks.store.tables import (
     CALLS,
     EVENTS,
     INSERT_EVENT,
+    INSERT_EVENT_PAIR_QUEUED,
     INSERT_EVENT_QUEUED,
     INSERT_MESSAGE,
     MESSAGES,
@@ -350,7 +351,8 @@ class Transitions(StoreBase):
             # committed: the row then holds exactly what this transition writes.
             return n > 1 and self._landed(tx, key, to, {**match, **fields}, now) is not None
 
-        return self._retrying(attempt)
+        # Statements built once per shape go to SQLite's driver, and so can its transaction.
+        return self._retrying(attempt, on_driver=params is not None)
 
     def _move_single(self, stmt: Any, params: dict[str, Any], key: str, to: CallStatus,
                      detail: Mapping[str, Any] | None, now: float,
@@ -417,16 +419,12 @@ class Transitions(StoreBase):
         if row is None:
             return None
         # A terminal move on PostgreSQL took the session's delivery lock in its RETURNING.
-        if started is not None:
-            driver.run_many(conn, INSERT_EVENT, [{
-                **_event_row(row, CallStatus.RUNNING, started.detail, started.at)}])
-        self._record(conn, to, [row], {key: detail}, now, locked=True,
-                     from_status=CallStatus.RUNNING.value if started is not None else None)
+        self._record(conn, to, [row], {key: detail}, now, locked=True, started=started)
         return row
 
     def _record(self, conn: Connection, to: CallStatus, moved: Sequence[Any],
                 details: Mapping[str, Mapping[str, Any] | None], now: float, *,
-                locked: bool, from_status: str | None = None) -> None:
+                locked: bool, started: Started | None = None) -> None:
         """What every move writes besides the status, in the mover's transaction.
 
         ``moved`` are the rows the UPDATE returned (:func:`_returning`), ``details`` each
@@ -443,8 +441,15 @@ class Transitions(StoreBase):
            the event's INSERT says whether any is (one call), or one query does (many).
 
         ``locked``: this transaction already holds the sessions' delivery locks (PostgreSQL).
+        ``started``: the one call moved ends an attempt whose start was not stored (see
+        :meth:`transition`); its ``tool_call_started`` event goes first, in the same INSERT.
         """
-        events = [_event_row(row, to, details[row.key], now, from_status) for row in moved]
+        if started is not None:
+            (row,) = moved
+            events = [_event_row(row, CallStatus.RUNNING, started.detail, started.at),
+                      _event_row(row, to, details[row.key], now, CallStatus.RUNNING.value)]
+        else:
+            events = [_event_row(row, to, details[row.key], now) for row in moved]
         if not events:
             return
         if not to.terminal:
@@ -457,9 +462,15 @@ class Transitions(StoreBase):
         if self.is_postgres and not locked:
             conn.execute(DELIVERY_LOCK_MANY, {"space": DELIVERY_LOCK_SPACE,
                                                "sessions": sessions})
-        if len(events) == 1:
-            queued = driver.run(conn, INSERT_EVENT_QUEUED,
-                                {**events[0], "queued_session": sessions[0]})[0].queued
+        if len(moved) == 1:
+            # The event rows and whether the session has messages waiting, in one statement.
+            if started is not None:
+                queued = driver.run(conn, INSERT_EVENT_PAIR_QUEUED, {
+                    **{f"{c}_{i}": v for i, e in enumerate(events) for c, v in e.items()},
+                    "queued_session": sessions[0]})[0].queued
+            else:
+                queued = driver.run(conn, INSERT_EVENT_QUEUED,
+                                    {**events[0], "queued_session": sessions[0]})[0].queued
             waiting = sessions if queued else []
         else:
             driver.run_many(conn, INSERT_EVENT, events)
