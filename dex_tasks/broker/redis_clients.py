@@ -221,7 +221,7 @@ def safe_url(url: str) -> str:
     return ";".join(out)
 
 
-CommandArg: TypeAlias = "str | bytes | int | float"
+CommandArg: TypeAlias = str | bytes | int | float
 """An argument of a command :func:`pack_command` packs (what redis-py accepts, less the
 buffers)."""
 
