@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 import redis
+from itsdangerous import BadSignature, Serializer
 
 from dex_tasks import CallStatus, DexClient, DexSettings
-from dex_tasks.broker.notify import ended_channel, record_serializer
+from dex_tasks.broker.notify import RECORD_SALT, ended_channel, record_serializer
 from tests.conftest import StartWorker, fast_settings
 from tests.helpers import wait_until
 from workers import ledger
@@ -112,3 +113,26 @@ def test_a_record_not_signed_with_the_stores_key_is_not_believed(
     # Then the waiter waited for the real ending
     assert ended.status is CallStatus.SUCCEEDED and ended.result == {"order_id": "7",
                                                                      "attempt": 1}
+
+
+def test_a_record_is_signed_as_itsdangerous_signs_it_so_either_release_reads_it() -> None:
+    # Given the serializer of ended records (its signer made once, its key derived once) and
+    # itsdangerous' own with the same key and salt (what a worker of an earlier release signs
+    # and checks with, during a rolling upgrade)
+    ours = record_serializer("the store's key")
+    theirs = Serializer("the store's key", salt=RECORD_SALT)
+    record = {"key": "s/t/é", "status": "succeeded", "result": '{"n": 1}', "attempts": 2,
+              "finished_at": 1_700_000_000.125, "error": None}
+
+    # When records are signed, over and over, with both
+    signed = [ours.dumps(record) for _ in range(3)]
+
+    # Then the signatures are the same, and each side reads the other's
+    assert signed == [theirs.dumps(record)] * 3
+    assert theirs.loads(signed[0]) == ours.loads(theirs.dumps(record)) == record
+
+    # And a record signed with another key, or with another salt, is refused, as before
+    for forged in (Serializer("another key", salt=RECORD_SALT).dumps(record),
+                   Serializer("the store's key", salt="another salt").dumps(record)):
+        with pytest.raises(BadSignature):
+            ours.loads(forged)

@@ -24,7 +24,7 @@ import socket
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 from urllib.parse import unquote, urlsplit
 
 import redis
@@ -219,6 +219,73 @@ def safe_url(url: str) -> str:
             part = part.replace(f":{password}@", ":***@", 1)
         out.append(part)
     return ";".join(out)
+
+
+CommandArg: TypeAlias = str | bytes | int | float
+"""An argument of a command :func:`pack_command` packs (what redis-py accepts, less the
+buffers)."""
+
+
+def pack_command(*args: CommandArg) -> bytes:
+    """``args`` as one command of the Redis protocol (an array of bulk strings), each encoded
+    as redis-py's clients encode them: text as UTF-8, numbers by ``repr``, bytes as they are.
+
+    For :func:`send_packed`. Cheaper than redis-py's own packing (its ``Encoder``'s type
+    checks, then a bytes object built again for each argument): a worker child packs a
+    command of about twenty arguments for each call it ends (``announce.py``).
+    """
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        if isinstance(arg, str):
+            arg = arg.encode()
+        elif not isinstance(arg, bytes):
+            if isinstance(arg, bool) or not isinstance(arg, (int, float)):
+                # redis-py refuses these too: True would be sent as "True", not 1.
+                raise redis.DataError(f"Invalid input of type: {type(arg).__name__!r}")
+            arg = repr(arg).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+    return b"".join(out)
+
+
+def send_packed(client: redis.Redis, command: bytes) -> Any:
+    """Run one command that :func:`pack_command` packed on a connection of ``client``'s pool
+    and return its reply, as ``client.execute_command`` would; an error reply raises its
+    ``ResponseError`` (``NoScriptError``, ``NoPermissionError``...).
+
+    The same connection handling as ``execute_command`` (the pool's connection, its health
+    check, the client's ``Retry`` for connection errors, which closes the connection before
+    each new try, the connection closed on any other failure but an error reply), less the
+    work of redis-py's that a command sent many times a second does not need: its packing
+    (see :func:`pack_command`), its response callbacks (none for the commands sent so here:
+    ``EVALSHA``'s reply is the script's) and its own OpenTelemetry metrics of the command,
+    which dex-tasks does not turn on. About a third of the client's CPU of an ``EVALSHA``
+    of twenty arguments (issue 29).
+
+    Not for a client made with ``single_connection_client``, which no client of dex-tasks
+    is: this takes a connection from the pool regardless.
+    """
+    pool = client.connection_pool
+    conn: Any = pool.get_connection()  # (redis-py's Connection is partly untyped)
+    try:
+        return conn.retry.call_with_retry(
+            lambda: _round_trip(conn, command),
+            # A connection error: the next try reconnects (send_packed_command does).
+            lambda _error, _failures: conn.disconnect(),
+            with_failure_count=True)
+    except redis.ResponseError:
+        raise  # the reply was read whole: the connection is ready for the next command
+    except BaseException:
+        # Anything else may have left a reply unread on the connection (an interrupt between
+        # the send and the read): never hand it to the next command.
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+
+
+def _round_trip(conn: Any, command: bytes) -> Any:
+    conn.send_packed_command([command])
+    return conn.read_response()
 
 
 def connector(settings: DexSettings) -> Callable[[float], redis.Redis]:

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 import redis
 
+from dex_tasks.broker.redis_clients import pack_command, send_packed
 from dex_tasks.states import CallStatus
 
 log = logging.getLogger("dex_tasks.broker.runs")
@@ -159,9 +160,18 @@ class Runs:
         when that is larger, plus one); :data:`BUSY` when another attempt holds a live lease
         (a duplicate delivery); 0 when every attempt was used (``count`` says how many).
         """
-        reply = self._start(keys=[run_key(key), attempts_key(key), RUNS_KEY],
-                            args=[key, stored_attempts, max_attempts, owner, repr(started),
-                                  lease_seconds, ttl, tool, effect])
+        # Packed here and sent with less of redis-py's machinery than a Script's call
+        # (redis_clients.send_packed): a worker child starts every attempt so.
+        command = pack_command("EVALSHA", self._start.sha, 3, run_key(key), attempts_key(key),
+                               RUNS_KEY, key, stored_attempts, max_attempts, owner,
+                               repr(started), lease_seconds, ttl, tool, effect)
+        try:
+            reply = send_packed(self.client, command)
+        except redis.exceptions.NoScriptError:
+            # Not loaded on this server yet (first use, a restart, a failover): the script
+            # fails before it runs a command, so running it again repeats nothing.
+            self.client.script_load(_START)
+            reply = send_packed(self.client, command)
         if isinstance(reply, list):
             return 0, int(reply[1])
         return int(reply), int(reply)
