@@ -269,9 +269,9 @@ def send_packed(client: redis.Redis, command: bytes) -> Any:
     try:
         return conn.retry.call_with_retry(
             lambda: _round_trip(conn, command),
-            # A connection error: the next try reconnects (send_packed_command does).
-            lambda _error, _failures: conn.disconnect(),
-            with_failure_count=True)
+            # A connection error: the next try reconnects (send_packed_command does). (The
+            # two-argument form: redis-py before 7 has no ``with_failure_count``.)
+            lambda _error: conn.disconnect())
     except redis.ResponseError:
         raise  # the reply was read whole: the connection is ready for the next command
     except BaseException:
@@ -280,6 +280,10 @@ def send_packed(client: redis.Redis, command: bytes) -> Any:
         conn.disconnect()
         raise
     finally:
+        # A server that announced maintenance asks for a new connection (redis-py 8's
+        # ``should_reconnect``), which execute_command makes before giving this one back.
+        if getattr(conn, "should_reconnect", lambda: False)():
+            conn.disconnect()
         pool.release(conn)
 
 
