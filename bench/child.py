@@ -89,7 +89,9 @@ class Clock:
                inside: str | None) -> Callable[..., Any]:
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if inside is not None and inside not in self._running:
+            # A piece timed inside itself (a wrapped function calling another of its piece)
+            # counts once.
+            if (inside is not None and inside not in self._running) or piece in self._running:
                 return fn(*args, **kwargs)
             self._running.append(piece)
             started = self.clock()
