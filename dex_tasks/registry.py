@@ -465,7 +465,8 @@ def _plainly_json(value: Any) -> bool:
     no string the store cannot hold: then :func:`json_problem` finds nothing.
 
     Every call's arguments pass here twice (as sent and normalized): this walk builds no
-    path and yields nothing, a third of the cost of :func:`json_problem`'s for a few fields.
+    path and yields nothing, a third or less of the cost of the walk that names where (1.6-3
+    against 10 µs for five fields, nested ones included).
     False means "not sure" (a subclass, a problem): the walk that names where decides.
     """
     stack = [value]

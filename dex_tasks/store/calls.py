@@ -91,10 +91,11 @@ def _insert_statement(columns: tuple[str, ...], *, check_pruned: bool) -> Any:
 
 
 # The JSON texts of a new call that reach its insert already canonical and checked: its
-# arguments (``registry.canonical_json``, which refuses what jsonb cannot hold) and its first
-# event's detail (``requested_event``, of the request's options). They are bound as text and
-# cast by the server, which parses them: their column type would parse each one here and
-# have psycopg write it out again, a tenth of the insert's client CPU (issue 29).
+# arguments (``registry.canonical_json``, which refuses what jsonb cannot hold), and its first
+# event's detail (``requested_event``, of the request's options; cast where the statement
+# binds it). They are bound as text and cast by the server, which parses them: their column
+# type would parse each one here and have psycopg write it out again, about a fifth of the
+# insert's client CPU (163 against 130 µs a call, issue 29).
 _CANONICAL_JSON = frozenset({"arguments"})
 
 
