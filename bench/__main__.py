@@ -261,6 +261,23 @@ def child(
 
 
 @app.command()
+def producer(
+    calls: int = typer.Option(1000, "--calls", min=1, help="Calls per variant per round."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds (variants alternate)."),
+    store: str = typer.Option("both", "--store", help=STORE_HELP),
+    postgres_url: str | None = typer.Option(None, "--postgres-url", help=PG_HELP),
+    out: str | None = typer.Option(None, "--out", help=OUT_HELP),
+) -> None:
+    """The producer's part of a call (call_tool, wait), piece by piece, beside the floor's."""
+    from bench.producer import run_producer
+
+    command = _command("producer", {"--calls": calls, "--rounds": rounds, "--store": store})
+    console.print(f"[bold]{command}[/bold]")
+    _run(run_producer, calls=calls, rounds=rounds, stores=_stores(store, postgres_url),
+         postgres_url=postgres_admin_url(postgres_url), out_dir=_out(out), console=console)
+
+
+@app.command()
 def overlap(
     calls: int = typer.Option(500, "--calls", min=1, help="Calls per variant per round."),
     rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds (after a warm-up round)."),

@@ -50,8 +50,8 @@ from pydantic_core import core_schema as cs
 
 from dex_tasks.errors import DexError
 
-__all__ = ["InvalidArguments", "arguments_version", "json_form", "normalize", "pattern_matches",
-           "shown_value"]
+__all__ = ["InvalidArguments", "arguments_version", "json_form", "normalize", "normalize_with",
+           "pattern_matches", "shown_value", "validator_for"]
 
 
 class InvalidArguments(DexError, ValueError):
@@ -236,7 +236,22 @@ def normalize(tool: str, schema: Mapping[str, Any], arguments: Mapping[str, Any]
 
     Raises :class:`InvalidArguments` naming every field the schema refuses, with its value.
     """
-    validator = _validator(json.dumps(schema, sort_keys=True))
+    return normalize_with(tool, validator_for(schema), arguments)
+
+
+def validator_for(schema: Mapping[str, Any]) -> SchemaValidator:
+    """The validator :func:`normalize` validates with for ``schema`` (built once per schema).
+
+    Finding it writes the schema out as JSON, which costs more than the validation itself
+    for a schema with a few described fields: a caller whose schema does not change (a
+    catalog entry, a tool) keeps it and normalizes with :func:`normalize_with`.
+    """
+    return _validator(json.dumps(schema, sort_keys=True))
+
+
+def normalize_with(tool: str, validator: SchemaValidator, arguments: Mapping[str, Any]
+                   ) -> dict[str, Any]:
+    """:func:`normalize` with the schema's validator in hand (:func:`validator_for`)."""
     try:
         result = validator.validate_python(dict(arguments))
     except ValidationError as err:
@@ -262,6 +277,13 @@ def json_form(tool: str, validated: dict[str, Any]) -> dict[str, Any]:
     """``validated`` (the JSON form of validated arguments) if JSON can hold it; else
     :class:`InvalidArguments` naming the field ("inf" coerced to a number is valid for
     pydantic, and no JSON reader can take it back)."""
+    # All at once first (one pass in C); field by field only to name the one refused.
+    try:
+        json.dumps(validated, allow_nan=False)
+    except ValueError:
+        pass
+    else:
+        return validated
     for name, value in validated.items():
         try:
             json.dumps(value, allow_nan=False)

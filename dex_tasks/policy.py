@@ -93,6 +93,10 @@ class ApprovalDecision:
                 "error": self.error}
 
 
+# The decisions of a policy without a rule, made once (a decision is immutable).
+_BY_FLAG = {flag: ApprovalDecision(flag) for flag in (False, True)}
+
+
 @dataclass(frozen=True)
 class ToolPolicy:
     """How calls of one tool run.
@@ -168,7 +172,7 @@ class ToolPolicy:
         """
         rule = self.requires_approval
         if not isinstance(rule, ApprovalRule):
-            return ApprovalDecision(self.needs_approval)
+            return _BY_FLAG[self.needs_approval]
         try:
             required, reason = rule.evaluate(arguments)
         except RuleError as err:

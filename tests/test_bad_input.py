@@ -75,6 +75,11 @@ def test_malformed_ids_are_refused_naming_the_field_and_the_limit(
         ({"order_id": "1", "extra": {"n": math.nan}}, "arguments.extra.n is nan"),
         ({"order_id": "1", "extra": [1, math.inf]}, "arguments.extra[1] is inf"),
         ({"order_id": "1", "extra": {1: "a"}}, "key 1 of type int"),
+        # Strings the store cannot hold, as values and as keys, ASCII or not, nested.
+        ({"order_id": "1", "extra": {"note": "a\x00b"}}, "arguments.extra.note contains a NUL"),
+        ({"order_id": "1", "extra": ["é", "\ud800"]}, "arguments.extra[1] contains a lone"),
+        ({"order_id": "1", "extra": {"k\ud800": 1}}, "a key of arguments.extra contains a lone"),
+        ({"order_id": "1", "extra": ({"\x00": 1},)}, "a key of arguments.extra[0] contains a NUL"),
     ],
 )
 def test_arguments_that_are_not_plain_json_are_refused(

@@ -28,6 +28,8 @@ from bench.many_tools import run_many_tools
 from bench.memory import run_memory
 from bench.overlap import VARIANTS as OVERLAP_VARIANTS
 from bench.overlap import run_overlap
+from bench.producer import PARTS, UNTIMED, WAIT_PIECES, run_producer
+from bench.producer import PIECES as PRODUCER_PIECES
 from bench.profile import run_profile
 from bench.scrape import run_scrape
 from bench.sweep_scale import DEFAULT_JOBS, run_sweeps
@@ -109,6 +111,36 @@ def test_child_times_each_piece_of_a_childs_part_beside_the_floors(tmp_path: Pat
         statements, transaction = ENDING_PARTS
         assert 0 < dex[statements] < dex["ending"] + dex["announcement"], dex
         assert (dex[transaction] > 0) is (kind == "sqlite"), dex
+
+
+def test_producer_times_each_piece_of_call_tool_and_wait_beside_the_floors(
+    tmp_path: Path,
+) -> None:
+    stores = ["sqlite", "postgres"] if POSTGRES_URL else ["sqlite"]
+    data = _written(run_producer(calls=5, rounds=2, stores=stores, postgres_url=POSTGRES_URL,
+                                 out_dir=tmp_path, console=_quiet()), tmp_path)
+    assert list(data["stores"]) == stores
+    waits = [f"wait: {p}" for p in WAIT_PIECES]
+    for kind, variants in data["stores"].items():
+        assert list(variants) == ["dex-tasks", "floor"]
+        for pieces in variants.values():
+            assert set(pieces) == {*UNTIMED, *PRODUCER_PIECES, *(p for p, _ in PARTS),
+                                   *waits}, pieces
+            assert all(pieces[p] > 0 for p in ("untimed: call_tool", "untimed: wait",
+                                               "whole", "wait: whole", "insert", "publish",
+                                               "wait: read")), pieces
+            # The Redis command and the message built are parts of both variants' publish.
+            for part in ("publish: the message built", "publish: the Redis command"):
+                assert 0 < pieces[part] < pieces["publish"], (part, pieces)
+        dex = variants["dex-tasks"]
+        # Every piece of call_tool ran in dex-tasks (a piece left out would read 0), each
+        # part inside its piece.
+        assert all(dex[p] > 0 for p in PRODUCER_PIECES[:7]), dex
+        for part, piece in PARTS:
+            assert dex[part] <= dex[piece], (part, dex)
+        assert dex["wait: record"] > 0, dex
+        # SQLite's insert is a transaction of its own, PostgreSQL's one autocommit statement.
+        assert (dex["insert: its BEGIN and COMMIT"] > 0) is (kind == "sqlite"), dex
 
 
 def test_overlap_times_the_insert_and_publish_both_ways(tmp_path: Path,

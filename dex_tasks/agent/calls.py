@@ -101,6 +101,8 @@ def checked_arguments(arguments: Mapping[str, Any] | None) -> tuple[dict[str, An
     if not isinstance(arguments, Mapping):
         raise InvalidCallError(f"arguments must be a JSON object, got {type(arguments).__name__}")
     plain = dict(arguments)
+    if not plain:  # most calls of a tool without parameters: nothing to walk or write out
+        return plain, "{}"
     try:
         return plain, canonical_json(plain)
     except ValueError as err:

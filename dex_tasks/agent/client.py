@@ -222,8 +222,9 @@ class DexClient(SessionMethods):
         if call.sends_message and not self._publish_new([view]):
             return self.get_tool_call(key)
         # The record as inserted: a worker may already have moved it on, which the next read
-        # (get_tool_call, wait) shows.
-        return ToolCallRecord.from_row(view)
+        # (get_tool_call, wait) shows. Built from the view's own dict of columns, not
+        # attribute by attribute.
+        return ToolCallRecord.from_mapping(vars(view))
 
     def call_tools(
         self,

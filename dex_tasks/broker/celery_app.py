@@ -18,12 +18,14 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from celery import Celery
+from celery.utils.nodenames import anon_nodename
 from kombu.entity import Exchange, Queue
 from kombu.exceptions import OperationalError
 from kombu.utils.uuid import uuid
@@ -122,6 +124,7 @@ def create_app(settings: DexSettings, *, publisher: bool = False) -> Celery:
     )
     app.dex_settings = settings  # type: ignore[attr-defined]
     app.dex_producer = HeldProducer()  # type: ignore[attr-defined]
+    app.dex_sending = None  # type: ignore[attr-defined]  # _sending() fills it in
     return app
 
 
@@ -170,7 +173,7 @@ def publish(app: Celery, call: ToolCallRow, *, countdown: float | None = None,
     task whose result nobody stores, and the arguments' text built by ``saferepr`` for a list
     of one key.
     """
-    settings: DexSettings = app.dex_settings  # type: ignore[attr-defined]
+    sending = _sending(app)
     name = task_name_for(EffectClass(call.effect))
     task_id = uuid()
     root_id = parent_id = None
@@ -181,24 +184,18 @@ def publish(app: Celery, call: ToolCallRow, *, countdown: float | None = None,
     expires = (datetime.fromtimestamp(call.expires_at, tz=UTC)
                if call.expires_at is not None else None)
     args = [call.key]
-    amqp = app.amqp
-    message = amqp.create_task_message(
+    message = sending.create_message(
         task_id, name, args, {}, countdown or None, None, None, None, expires, 0, None,
         None, None, app.thread_oid, call.time_limit or None,
         soft_limit(call.time_limit) if call.time_limit else None,
-        app.conf.task_send_sent_event, root_id, parent_id,
+        sending.sent_event, root_id, parent_id,
         # Shown by Flower and worker logs instead of the generic task name.
         f"{name}[{call.tool}]", None,
-        ignore_result=None, argsrepr=repr(args), kwargsrepr="{}")
+        origin=sending.origin(), ignore_result=None, argsrepr=repr(args), kwargsrepr="{}")
     options: dict[str, Any] = {
         "queue": queue_for(call.tool),
         "retry": True,
-        "retry_policy": {
-            "max_retries": 1,
-            "interval_start": 0,
-            "interval_step": settings.publish_timeout_seconds / 4,
-            "interval_max": settings.publish_timeout_seconds / 4,
-        },
+        "retry_policy": sending.retry_policy,
         # Nothing to declare: the queue's exchange is direct, so Celery sends the message by
         # the default exchange straight onto the queue's Redis list (kombu's _put), which no
         # declaration is needed for (a worker declares the queues it consumes). Left to
@@ -215,13 +212,56 @@ def publish(app: Celery, call: ToolCallRow, *, countdown: float | None = None,
     with _sender(app, producer) as sender:
         connection = sender.connection
         try:
-            amqp.send_task_message(sender, name, message, **options)
+            sending.send_message(sender, name, message, **options)
         except OperationalError:
             raise
         except (*connection.recoverable_connection_errors,
                 *connection.recoverable_channel_errors) as err:
             # As send_task raises them: kombu's error, whatever the transport's was.
             raise OperationalError(str(err)) from err
+
+
+@dataclass
+class _Sending:
+    """What each publish of an app reads from it, read at its first publish
+    (:func:`_sending`): Celery's two calls behind ``send_task``, whose every read from
+    ``app.amqp`` goes through a kombu cached property that takes a lock; whether a task-sent
+    event is made, a lookup through Celery's layered settings (read once, as Celery's own
+    ``send_task_message`` reads the settings it uses when it is first made); and the retry
+    policy of a publish. Together about 4 µs of a publish (issue 29)."""
+
+    create_message: Callable[..., Any]
+    send_message: Callable[..., Any]
+    sent_event: bool
+    retry_policy: dict[str, Any]
+    _origin: tuple[int, str] = (0, "")
+
+    def origin(self) -> str:
+        """The message's ``origin``, as Celery writes it when given none (``anon_nodename``:
+        this process's id at the host's name, which Celery looks up once per process), made
+        once per process rather than per message."""
+        pid, origin = self._origin
+        if pid != os.getpid():
+            pid, origin = self._origin = os.getpid(), anon_nodename()
+        return origin
+
+
+def _sending(app: Celery) -> _Sending:
+    sending: _Sending | None = app.dex_sending  # type: ignore[attr-defined]
+    if sending is None:
+        settings: DexSettings = app.dex_settings  # type: ignore[attr-defined]
+        amqp = app.amqp
+        # Shared by every publish of the app: Celery copies it (merged with its default
+        # policy) before kombu sees it.
+        sending = app.dex_sending = _Sending(  # type: ignore[attr-defined]
+            amqp.create_task_message, amqp.send_task_message,
+            bool(app.conf.task_send_sent_event), {
+                "max_retries": 1,
+                "interval_start": 0,
+                "interval_step": settings.publish_timeout_seconds / 4,
+                "interval_max": settings.publish_timeout_seconds / 4,
+            })
+    return sending
 
 
 class HeldProducer:

@@ -12,7 +12,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import (
+    Text,
     bindparam,
+    cast,
     exists,
     false,
     func,
@@ -22,6 +24,7 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
@@ -69,7 +72,7 @@ def _insert_statement(columns: tuple[str, ...], *, check_pruned: bool) -> Any:
     tombstone = (exists().where(EVENTS.c.key == bindparam("i_key"),
                                 EVENTS.c.event == PRUNED_EVENT)
                  if check_pruned else None)
-    values = select(*(bindparam(f"i_{c}", type_=CALLS.c[c].type) for c in columns))
+    values = select(*(_bound(c) for c in columns))
     if tombstone is not None:
         values = values.where(~tombstone)
     new = (pg_insert(CALLS).from_select(list(columns), values)
@@ -79,12 +82,28 @@ def _insert_statement(columns: tuple[str, ...], *, check_pruned: bool) -> Any:
     event = insert(EVENTS).from_select(
         ["session_id", "key", "event", "from_status", "to_status", "detail", "created_at"],
         select(new.c.session_id, new.c.key, literal_column("'tool_call_requested'"), null(),
-               new.c.status, bindparam("ev_detail", type_=EVENTS.c.detail.type),
+               new.c.status, cast(bindparam("ev_detail", type_=Text()), JSONB),
                new.c.created_at),
     ).cte("new_event")
     count = select(func.count()).select_from(new).scalar_subquery()
     pruned = tombstone if tombstone is not None else false()
     return select(count.label("inserted"), pruned.label("pruned")).add_cte(event)
+
+
+# The JSON texts of a new call that reach its insert already canonical and checked: its
+# arguments (``registry.canonical_json``, which refuses what jsonb cannot hold), and its first
+# event's detail (``requested_event``, of the request's options; cast where the statement
+# binds it). They are bound as text and cast by the server, which parses them: their column
+# type would parse each one here and have psycopg write it out again, about a fifth of the
+# insert's client CPU (163 against 130 µs a call, issue 29).
+_CANONICAL_JSON = frozenset({"arguments"})
+
+
+def _bound(column: str) -> Any:
+    """The parameter of ``column`` in :func:`_insert_statement` (``i_<column>``)."""
+    if column in _CANONICAL_JSON:
+        return cast(bindparam(f"i_{column}", type_=Text()), JSONB)
+    return bindparam(f"i_{column}", type_=CALLS.c[column].type)
 
 
 UNSENT_GRACE_SECONDS = 2.0
@@ -103,12 +122,17 @@ def unsent(calls: Iterable[Any], now: float) -> list[Any]:
             and now - call.created_at >= UNSENT_GRACE_SECONDS]
 
 
+# json.dumps(..., sort_keys=True), its encoder made once (json.dumps makes one per call when
+# given an option); it keeps no state between calls.
+_DETAIL = json.JSONEncoder(sort_keys=True)
+
+
 def requested_event(row: Mapping[str, Any],
                      requested: Mapping[str, Any] | None) -> dict[str, Any]:
     """The first event of a new call; its detail keeps the request's options."""
     return {"session_id": row["session_id"], "key": row["key"], "event": "tool_call_requested",
             "from_status": None, "to_status": row["status"],
-            "detail": json.dumps({"request": dict(requested)}, sort_keys=True)
+            "detail": _DETAIL.encode({"request": dict(requested)})
             if requested is not None else None,
             "created_at": row["created_at"]}
 

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from jsonschema import Draft202012Validator
+from pydantic_core import SchemaValidator
 from sqlalchemy.exc import IntegrityError
 
-from dex_tasks.arguments import normalize
+from dex_tasks.arguments import normalize_with, validator_for
 from dex_tasks.errors import UnknownToolError
 from dex_tasks.policy import EffectClass, ToolPolicy, resolve_policy
 from dex_tasks.registry import (
@@ -46,12 +47,16 @@ class ToolInfo:
         """
         if self.local is not None:
             return self.local.normalize(arguments)
-        normalized = normalize(self.name, self.schema, arguments)
+        normalized = normalize_with(self.name, self._normalizer, arguments)
         return validate_against_schema(self.name, self._validator, normalized)
 
     @functools.cached_property
     def _validator(self) -> Draft202012Validator:
         return schema_validator(self.schema)
+
+    @functools.cached_property
+    def _normalizer(self) -> SchemaValidator:
+        return validator_for(self.schema)
 
 
 @dataclass(frozen=True)
