@@ -61,6 +61,10 @@ PIECES = ("read", "lease", "ending", "announcement", "the rest", "whole")
 # Parts of dex-tasks' ending, timed only inside it.
 ENDING_PARTS = ("ending: its statements", "ending: its BEGIN and COMMIT")
 VARIANTS = ("dex-tasks", "floor")
+# What sends a store write's BEGIN and COMMIT: SQLAlchemy's transaction, or on SQLite the
+# DB-API connection (``StoreBase``'s ``sqlite_begin`` and ``run_text``).
+TRANSACTION_CALLS = ((Connection, "begin"), (DefaultDialect, "do_commit"),
+                     (base, "sqlite_begin"), (base, "run_text"))
 DEX_DB = 1
 OWNER_HOST = "bench-child@host"
 
@@ -122,11 +126,7 @@ def _dex_round(task: Task, keys: Sequence[str]) -> dict[str, float]:
     targets = [(Store, "get_call", "read"), (Runs, "start", "lease"),
                (Store, "transition", "ending"), (EndedNotifier, "__call__", "announcement"),
                (driver, "run", statements, "ending"), (driver, "run_many", statements, "ending"),
-               (Connection, "begin", transaction, "ending"),
-               (DefaultDialect, "do_commit", transaction, "ending"),
-               # SQLite's ending begins and commits on the DB-API connection.
-               (base, "sqlite_begin", transaction, "ending"),
-               (base, "run_text", transaction, "ending")]
+               *((owner, name, transaction, "ending") for owner, name in TRANSACTION_CALLS)]
     whole = 0.0
     with clock.timing(targets):
         for key in keys:

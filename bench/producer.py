@@ -56,11 +56,9 @@ import redis
 from celery import Celery
 from rich.console import Console
 from rich.table import Table
-from sqlalchemy.engine import Connection
-from sqlalchemy.engine.default import DefaultDialect
 
 from bench import floor_tasks
-from bench.child import Clock
+from bench.child import TRANSACTION_CALLS, Clock
 from bench.infra import READ_TOOL, BenchError, bench_session, fresh_store, median, save_results
 from bench.roundtrips import publish_catalog
 from dex_tasks import DexClient, DexSettings, tracing
@@ -137,8 +135,7 @@ class _Side:
             (tracing, "request_span", PARTS[2][0], "new row"),
             (Store, "insert_call", "insert"),
             (driver, "run", PARTS[3][0], "insert"),
-            (Connection, "begin", PARTS[4][0], "insert"),
-            (DefaultDialect, "do_commit", PARTS[4][0], "insert"),
+            *((owner, name, PARTS[4][0], "insert") for owner, name in TRANSACTION_CALLS),
             (agent_client, "publish", "publish"),
             (*_message_built(self.client.app), PARTS[5][0], "publish"),
             (redis.Redis, "execute_command", PARTS[6][0], "publish"),

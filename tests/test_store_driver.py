@@ -218,3 +218,16 @@ def test_a_statement_sent_through_sqlalchemy_joins_the_drivers_transaction(
     assert workers == ({"s/t/c1": None, "s/t/c2": None} if fails
                        else {"s/t/c1": "moved", "s/t/c2": "moved"})
     assert _lock_is_free(tmp_path / "dex.db")
+
+
+def test_an_insert_of_a_taken_key_writes_nothing_and_frees_the_lock(store: Store,
+                                                                    tmp_path: Path) -> None:
+    # Given a stored call
+    assert store.insert_call(_row("s/t/c1"))
+    # When another insert under its key is refused in its transaction (begun on the driver)
+    assert store.insert_call(_row("s/t/c1", arguments='{"amount_cents":6}')) is False
+    # Then nothing of it was written, and every other connection can write at once
+    assert _lock_is_free(tmp_path / "dex.db")
+    assert [e.event for e in store.events_for_call("s/t/c1")] == ["tool_call_requested"]
+    assert (store.get_call("s/t/c1") or _row("x")).arguments == '{"amount_cents":5}'
+    assert store.insert_call(_row("s/t/c2"))

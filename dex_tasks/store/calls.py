@@ -181,7 +181,8 @@ class Calls(StoreBase):
             driver.run(conn, INSERT_EVENT, requested_event(row, requested))
 
         try:
-            self._retrying(attempt)
+            # Its statements go to SQLite's driver, and so can its transaction.
+            self._retrying(attempt, on_driver=True)
         except IntegrityError:
             if tries > 1:
                 stored = self.get_call(row["key"])
