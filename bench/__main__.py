@@ -42,6 +42,15 @@ def _run(fn: object, **kwargs: object) -> None:
         raise typer.Exit(1) from err
 
 
+def _by_store(name: str, fn: object, *, calls: int, rounds: int, store: str,
+              postgres_url: str | None, out: str | None) -> None:
+    """Print the command, then run ``fn`` (a bench of ``calls`` by ``rounds`` on each store)."""
+    command = _command(name, {"--calls": calls, "--rounds": rounds, "--store": store})
+    console.print(f"[bold]{command}[/bold]")
+    _run(fn, calls=calls, rounds=rounds, stores=_stores(store, postgres_url),
+         postgres_url=postgres_admin_url(postgres_url), out_dir=_out(out), console=console)
+
+
 @app.command()
 def throughput(
     calls: int = typer.Option(2000, "--calls", min=1, help="Calls per variant per round."),
@@ -237,10 +246,8 @@ def held(
     """CPU per store operation with each engine's last connection held, and with the pool."""
     from bench.held import run_held
 
-    command = _command("held", {"--calls": calls, "--rounds": rounds, "--store": store})
-    console.print(f"[bold]{command}[/bold]")
-    _run(run_held, calls=calls, rounds=rounds, stores=_stores(store, postgres_url),
-         postgres_url=postgres_admin_url(postgres_url), out_dir=_out(out), console=console)
+    _by_store("held", run_held, calls=calls, rounds=rounds, store=store,
+              postgres_url=postgres_url, out=out)
 
 
 @app.command()
@@ -254,10 +261,8 @@ def child(
     """A worker child's part of a call, piece by piece, beside the contract's floor."""
     from bench.child import run_child
 
-    command = _command("child", {"--calls": calls, "--rounds": rounds, "--store": store})
-    console.print(f"[bold]{command}[/bold]")
-    _run(run_child, calls=calls, rounds=rounds, stores=_stores(store, postgres_url),
-         postgres_url=postgres_admin_url(postgres_url), out_dir=_out(out), console=console)
+    _by_store("child", run_child, calls=calls, rounds=rounds, store=store,
+              postgres_url=postgres_url, out=out)
 
 
 @app.command()
@@ -271,10 +276,8 @@ def producer(
     """The producer's part of a call (call_tool, wait), piece by piece, beside the floor's."""
     from bench.producer import run_producer
 
-    command = _command("producer", {"--calls": calls, "--rounds": rounds, "--store": store})
-    console.print(f"[bold]{command}[/bold]")
-    _run(run_producer, calls=calls, rounds=rounds, stores=_stores(store, postgres_url),
-         postgres_url=postgres_admin_url(postgres_url), out_dir=_out(out), console=console)
+    _by_store("producer", run_producer, calls=calls, rounds=rounds, store=store,
+              postgres_url=postgres_url, out=out)
 
 
 @app.command()
