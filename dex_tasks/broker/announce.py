@@ -35,7 +35,7 @@ from dex_tasks.broker.notify import (
     ended_message,
     redis_connector,
 )
-from dex_tasks.broker.redis_clients import CommandArg, pack_command, send_packed
+from dex_tasks.broker.redis_clients import CommandArg, pack_command, send_script
 from dex_tasks.broker.routing import CLAIM_KEY
 from dex_tasks.broker.runs import RUNS_KEY, attempts_key, run_key
 from dex_tasks.policy import RETRYING_EFFECTS
@@ -213,13 +213,7 @@ class EndedNotifier:
         # (redis_clients.send_packed): a worker child sends this for every call it ends.
         command = pack_command("EVALSHA", ANNOUNCE_SHA, len(keys), *keys, *args)
         try:
-            try:
-                send_packed(client, command)
-            except redis.exceptions.NoScriptError:
-                # Not loaded on this server yet (first use, a restart, a failover): the
-                # script fails before it runs a command, so running it again repeats nothing.
-                client.script_load(ANNOUNCE_SCRIPT)
-                send_packed(client, command)
+            send_script(client, ANNOUNCE_SCRIPT, command)
         except redis.exceptions.ResponseError as err:
             # The pipeline's plain commands may still work. (A script stopped part-way, by a
             # wrong-typed counters hash or an out-of-memory Redis, had published first: the

@@ -287,6 +287,18 @@ def send_packed(client: redis.Redis, command: bytes) -> Any:
         pool.release(conn)
 
 
+def send_script(client: redis.Redis, script: str, command: bytes) -> Any:
+    """:func:`send_packed` of ``command``, an ``EVALSHA`` of ``script``, which is loaded and
+    the command sent again when this server does not have it (first use, a restart, a
+    failover): the script fails before it runs a command, so sending it again repeats
+    nothing."""
+    try:
+        return send_packed(client, command)
+    except redis.exceptions.NoScriptError:
+        client.script_load(script)
+        return send_packed(client, command)
+
+
 def _round_trip(conn: Any, command: bytes) -> Any:
     conn.send_packed_command([command])
     return conn.read_response()

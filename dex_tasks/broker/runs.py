@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import redis
 
-from dex_tasks.broker.redis_clients import pack_command, send_packed
+from dex_tasks.broker.redis_clients import pack_command, send_script
 from dex_tasks.states import CallStatus
 
 log = logging.getLogger("dex_tasks.broker.runs")
@@ -165,13 +165,7 @@ class Runs:
         command = pack_command("EVALSHA", self._start.sha, 3, run_key(key), attempts_key(key),
                                RUNS_KEY, key, stored_attempts, max_attempts, owner,
                                repr(started), lease_seconds, ttl, tool, effect)
-        try:
-            reply = send_packed(self.client, command)
-        except redis.exceptions.NoScriptError:
-            # Not loaded on this server yet (first use, a restart, a failover): the script
-            # fails before it runs a command, so running it again repeats nothing.
-            self.client.script_load(_START)
-            reply = send_packed(self.client, command)
+        reply = send_script(self.client, _START, command)
         if isinstance(reply, list):
             return 0, int(reply[1])
         return int(reply), int(reply)
