@@ -26,6 +26,7 @@ from dex_tasks.broker.announce import ANNOUNCE_SHA, SCRIPT_MAX_CALLS, EndedNotif
 from dex_tasks.broker.metrics import ENDED_KEY
 from dex_tasks.broker.notify import (
     CHANNEL_PREFIX,
+    SESSION_CHANNEL_PREFIX,
     CallWatcher,
     ended_channel,
     message_status,
@@ -65,6 +66,8 @@ class Announcements:
             message = self.pubsub.get_message(timeout=0.1)
             if message and message["type"] == "pmessage":
                 channel = message["channel"].decode()
+                if channel.startswith(SESSION_CHANNEL_PREFIX):
+                    continue  # the same ends, for the clients that sent them
                 # (the status, then the ended record a waiter is handed: message_status)
                 self.seen.append((channel.removeprefix(CHANNEL_PREFIX),
                                   message_status(message["data"])))

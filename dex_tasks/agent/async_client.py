@@ -111,14 +111,32 @@ class AsyncDexClient:
         """
         loop = asyncio.get_running_loop()
         pauses = WaitPauses(key, timeout, self.settings.wait_poll_seconds)
-        # The store alone, as DexClient.wait reads it (the timeout's answer shows a run).
-        record = await asyncio.to_thread(self.sync._stored_call, key)
-        if record.terminal:
-            return record
         woken = asyncio.Event()
 
         def wake() -> None:  # from the watcher's thread
             loop.call_soon_threadsafe(woken.set)
+
+        sent = self.sync._watch_sent(key, on_wake=wake)
+        if sent is not None:
+            # A call this client sent while its session's ends reached it: no read first.
+            with sent:
+                while sent.message is None and sent.covered:
+                    pause = pauses.next(live=True)
+                    if pause is None:
+                        break
+                    try:
+                        await asyncio.wait_for(woken.wait(), pause)
+                    except TimeoutError:
+                        break  # a poll is due: the store says
+                    woken.clear()
+            handed = self.sync._handed(sent, key) if sent.message is not None else None
+            if handed is not None:
+                return handed
+        # The store alone, as DexClient.wait reads it (the timeout's answer shows a run).
+        record = await asyncio.to_thread(self.sync._stored_call, key)
+        if record.terminal:
+            return record
+        woken.clear()
 
         with self.sync.watcher.watch(key, on_wake=wake) as watch:
             while True:

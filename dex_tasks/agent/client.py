@@ -206,12 +206,15 @@ class DexClient(SessionMethods):
             default_effect=default_effect, approval_deadline=deadline, expires_in=expires,
             default_max_attempts=self.settings.default_max_attempts, requested_by=requested_by,
         )
+        # Before the insert: whether the end of a call recorded now cannot miss the waiter.
+        confirmed = self._sending(session_id)
         # Insert first, read only on conflict: a new call costs one write transaction, and a
         # repeated key is told apart by the primary key, not by a read that could race.
         if not self.store.insert_call(call.row, call.interrupt, requested=options):
             existing = self.store.get_call(key)
             assert existing is not None
             return self._repeat(existing, tool, args_json, options, normalized=call.args_json)
+        self._sent(key, session_id, confirmed)
 
         if call.invalid is not None:
             self.store.transition(key, CallStatus.FAILED, allowed={CallStatus.QUEUED},
@@ -290,6 +293,8 @@ class DexClient(SessionMethods):
         # A new step's calls are new: its first try inserts without reading (one transaction,
         # as call_tool's does); a key or the step found taken makes it read, as call_tools does.
         guess = step is not None
+        # Before the insert: whether the ends of calls recorded now cannot miss their waiters.
+        confirmed = self._sending(session_id)
         for _ in range(_INSERT_TRIES + guess):
             write_step = None
             if step is not None:
@@ -324,6 +329,11 @@ class DexClient(SessionMethods):
                 f"the calls of turn {turn_id!r} kept colliding with concurrent requests for "
                 f"the same ids; nothing of this batch was recorded")
 
+        for c in new:
+            # (Not the calls with invalid arguments: their ends, in the insert's transaction,
+            # were announced before this; their waiters find them ended in the store.)
+            if c.invalid is None:
+                self._sent(c.key, session_id, confirmed)
         views = {c.key: _inserted(c) for c in new}
         # Calls recorded but never sent (their recorder died before its publish) go with them.
         to_send = [views[c.key] for c in new if c.sends_message]

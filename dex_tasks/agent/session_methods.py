@@ -78,6 +78,25 @@ class SessionMethods:
         handed = ToolCallRecord.from_mapping(record)
         return handed if handed.terminal else None
 
+    def _sending(self, session_id: str) -> int | None:
+        """Before a call of ``session_id`` is recorded: the watcher's confirmation that its
+        end will be heard (``notify.CallWatcher.sending``), for :meth:`_sent`. Only once this
+        client has waited: one that never waits opens no subscription for it."""
+        watcher = self._watcher
+        return watcher.sending(session_id) if watcher is not None else None
+
+    def _sent(self, key: str, session_id: str, confirmed: int | None) -> None:
+        """Call ``key`` was recorded under ``confirmed`` (:meth:`_sending`): its end is kept
+        for its ``wait``, which then reads nothing (``notify.CallWatcher.sent``)."""
+        if confirmed is not None and self._watcher is not None:
+            self._watcher.sent(key, session_id, confirmed)
+
+    def _watch_sent(self, key: str, on_wake: Any = None) -> Any:
+        """The watcher's watch of call ``key`` if this client sent it and cannot miss its end
+        (``notify.CallWatcher.watch_sent``), else None."""
+        watcher = self._watcher
+        return watcher.watch_sent(key, on_wake) if watcher is not None else None
+
     def _stop_watching(self) -> None:
         """Close the watcher, if ``wait`` started one (part of ``DexClient.close``)."""
         if self._watcher is not None:
@@ -110,6 +129,17 @@ class SessionMethods:
         be reached it is read every 5 ms, doubling up to 200 ms.
         """
         pauses = WaitPauses(key, timeout, self.settings.wait_poll_seconds)
+        sent = self._watch_sent(key)
+        if sent is not None:
+            # A call this client sent while its session's ends reached it: no read first.
+            with sent:
+                while sent.message is None and sent.covered:
+                    pause = pauses.next(live=True)
+                    if pause is None or not sent.wait(pause):
+                        break  # time is up, or a poll is due: the store says
+            handed = self._handed(sent, key) if sent.message is not None else None
+            if handed is not None:
+                return handed
         # The store alone: a waiter waits for the end, and only its timeout's answer needs
         # a running attempt shown as running (Redis, ``get_tool_call``).
         record = self._stored_call(key)

@@ -4,7 +4,8 @@ Redis, after the commit that ended it, and counts it for ``/metrics``.
 :class:`EndedNotifier` runs after every commit that ended calls, whoever committed it: a
 worker finishing a tool, the main process recording a lost child, a sweep reaping, expiring or
 failing calls, a client rejecting one or ending it "did not run". In one Redis round trip it
-publishes each call's new status on its channel (``notify.ended_channel``), counts the call
+publishes each call's new status on its channel (``notify.ended_channel``) and its
+session's (``notify.session_channel``), counts the call
 (:func:`metrics.ended_counts`), cuts the claim of an ended single-attempt call and drops the
 run of an ended retrying one, in one command (:data:`ANNOUNCE_SCRIPT`) for the one call a
 worker ends at a time. Wired by :func:`install` wherever a store that ends calls is built
@@ -34,6 +35,8 @@ from dex_tasks.broker.notify import (
     ended_channel,
     ended_message,
     redis_connector,
+    session_channel,
+    session_message,
 )
 from dex_tasks.broker.redis_clients import CommandArg, pack_command, send_script
 from dex_tasks.broker.routing import CLAIM_KEY
@@ -94,7 +97,8 @@ end
   attempt count deleted, and its run dropped from the run hash and ``dex:runs``
   (``KEYS[2]``) if the worker that ended it (its ``(owner, key)`` pair in ``ARGV``) still
   holds it, which is what ``Runs.release(..., ended=True)`` does, in the same round trip;
-* ``PUBLISH`` of each call's status on its channel (a count, then (channel, message) pairs);
+* ``PUBLISH`` of each call's status on its channel and on its session's (a count, then
+  (channel, message) pairs: ``_publishes``);
 * the ``HINCRBY`` (a count, then (field, amount) pairs) and ``HINCRBYFLOAT`` ((field,
   seconds) pairs) counter updates of ``metrics.ended_counts`` on ``KEYS[1]``
   (:data:`metrics.ENDED_KEY`).
@@ -120,6 +124,19 @@ def ended_runs(ended: Sequence[EndedCall]) -> list[tuple[str, str]]:
             for call in ended if call.effect in RETRYING_EFFECTS]
 
 
+
+
+def _publishes(ended: Sequence[EndedCall],
+               signer: RecordSigner | None) -> list[tuple[str, str]]:
+    """What announces ``ended``: each call's end on its own channel, for any waiter, and on
+    its session's, for the client that sent it (``notify.CallWatcher.sent``)."""
+    serializer = signer.serializer() if signer is not None else None
+    out: list[tuple[str, str]] = []
+    for call in ended:
+        message = ended_message(call, serializer)
+        out += ((ended_channel(call.key), message),
+                (session_channel(call.session_id), session_message(call.key, message)))
+    return out
 
 
 class EndedNotifier:
@@ -199,10 +216,9 @@ class EndedNotifier:
         for key, owner in ran:
             keys += (run_key(key), attempts_key(key))
             args += (owner, key)
-        args.append(len(ended))
-        signer = self.signer.serializer() if self.signer is not None else None
-        for call in ended:
-            args += (ended_channel(call.key), ended_message(call, signer))
+        args.append(2 * len(ended))
+        for channel_message in _publishes(ended, self.signer):
+            args += channel_message
         args.append(len(counts))
         for name, n in counts.items():
             args += (name, n)
@@ -239,9 +255,8 @@ class EndedNotifier:
         # their calls ended and drops them).
         for key, _ in ended_runs(ended):
             pipe.delete(attempts_key(key))
-        signer = self.signer.serializer() if self.signer is not None else None
-        for call in ended:
-            pipe.publish(ended_channel(call.key), ended_message(call, signer))
+        for channel, message in _publishes(ended, self.signer):
+            pipe.publish(channel, message)
         count_ended(pipe, ended)
         pipe.execute()
 

@@ -16,6 +16,11 @@ Two sides, both on Redis pub/sub, one channel per call (``dex:ended:<key>``):
   failed, a subscription confirmed after the call ended) costs at most one poll interval,
   never a wrong answer.
 
+The end of each call is announced on its session's channel too (``dex:ended:session:<id>``,
+:func:`session_message`): a client that listens on a session before it records a call there
+is sure to hear that call's end, so its ``wait`` reads nothing at all (see
+:class:`CallWatcher`).
+
 Why pub/sub and not a per-call list with ``BLPOP``: ``BLPOP`` needs no confirmation step, but it
 holds one Redis connection per waiting call (an asyncio agent waiting on 40 calls at once holds
 40), leaves a key per ended call in Redis until it expires, and wakes only one of several
@@ -27,13 +32,16 @@ is closed by reading the store again once the subscription is confirmed.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import select
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -69,10 +77,52 @@ _DEAD_AFTER_SECONDS = 15.0
 _RECONNECT_FIRST_PAUSE = 0.05
 _RECONNECT_MAX_PAUSE = 2.0
 
+MAX_SESSIONS = 1_000
+"""The most sessions whose channels one watcher listens on (:meth:`CallWatcher.sending`);
+the one used longest ago is dropped for a new one."""
+
+MAX_SENT = 10_000
+"""The most sent calls one watcher keeps the end of until they are waited for
+(:meth:`CallWatcher.sent`); a call dropped from them is waited for by reading the store."""
+
+MAX_KEPT_CHARS = 8_000_000
+"""The most characters of kept ends one watcher holds (a record may be up to
+:data:`MAX_RECORD_CHARS`); the oldest sent calls are dropped beyond it."""
+
 
 def ended_channel(key: str) -> str:
     """The pub/sub channel the end of call ``key`` is announced on."""
     return CHANNEL_PREFIX + key
+
+
+SESSION_CHANNEL_PREFIX = CHANNEL_PREFIX + "session:"
+"""Prefix of the pub/sub channel where the ends of a session's calls are announced as well:
+``dex:ended:session:<session id>``. A session id holds no ``/`` and a key always does, so no
+call's channel is ever a session's; and it sits under :data:`CHANNEL_PREFIX`, so whatever
+lets a process use the calls' channels (an ACL's channel pattern) lets it use these."""
+
+
+def session_channel(session_id: str) -> str:
+    """The pub/sub channel the ends of session ``session_id``'s calls are announced on."""
+    return SESSION_CHANNEL_PREFIX + session_id
+
+
+def session_message(key: str, message: str) -> str:
+    """What the end of call ``key`` publishes on its session's channel: the key, prefixed by
+    its length (an id may hold spaces and colons), then what the call's own channel says
+    (:func:`ended_message`)."""
+    return f"{len(key)}:{key}{message}"
+
+
+def parse_session_message(data: str | bytes) -> tuple[str, str] | None:
+    """``(key, message)`` of a :func:`session_message`, or None if it is not one."""
+    if isinstance(data, bytes):
+        data = data.decode("utf-8", "surrogateescape")
+    length, colon, rest = data.partition(":")
+    if not colon or not length.isdigit() or int(length) > len(rest):
+        return None
+    size = int(length)
+    return rest[:size], rest[size:]
 
 
 RECORD_SALT = "dex-tasks.ended-record"
@@ -209,18 +259,27 @@ class Watch:
     the call's channel has news, the subscription is confirmed, or the connection changes."""
 
     def __init__(self, watcher: CallWatcher, channel: str,
-                 on_wake: Callable[[], None] | None) -> None:
+                 on_wake: Callable[[], None] | None, *, sent: bool = False) -> None:
         self.watcher = watcher
         self.channel = channel
         self._on_wake = on_wake
         self._event = threading.Event()
         # The last message heard on the channel: a signed ended record, or a bare status.
         self.message: str | bytes | None = None
+        # A watch of a call this client sent, heard on its session's channel and subscribed
+        # to nothing of its own (CallWatcher.watch_sent).
+        self.sent = sent
 
     @property
     def live(self) -> bool:
         """Whether notifications can reach this watch now (see :attr:`CallWatcher.live`)."""
         return self.watcher.live
+
+    @property
+    def covered(self) -> bool:
+        """For a watch of a sent call: whether its end still cannot be missed (its session's
+        subscription has held since the call was sent; see :meth:`CallWatcher.watch_sent`)."""
+        return self.watcher.covers(self)
 
     def wake(self, message: str | bytes | None = None) -> None:
         """Wake the waiter (called from the watcher's thread), with what its channel said."""
@@ -251,6 +310,17 @@ class Watch:
         self.close()
 
 
+@dataclass
+class _Sent:
+    """A call this client sent while the ends of its session's calls reached the watcher."""
+
+    session_id: str
+    # The confirmation of the session's subscription the call was sent under (``_sessions``).
+    confirmed: int
+    # What the session's channel said of the call's end, once it has.
+    message: str | None = None
+
+
 class CallWatcher:
     """The waiting side: one Redis pub/sub connection, read by a background thread.
 
@@ -263,6 +333,15 @@ class CallWatcher:
     thread's wake-up more on every ``wait`` that found its call still running.) The thread
     starts on first use, reconnects with backoff when the connection is lost, and then wakes
     every waiter (they poll the store quickly until it is back).
+
+    A waiter reads the store before it subscribes, and again once subscribed, because the
+    call may end between the two. A call this client sent itself needs neither read if the
+    watcher already heard its session's ends when it was sent: ``call_tool`` asks
+    :meth:`sending` (which subscribes to the session's channel, for the session's next calls
+    if not for this one) and tells :meth:`sent`; the call's end is kept when the session's
+    channel announces it, and :meth:`watch_sent` hands it to the waiter, however late the
+    waiter comes. That holds only while the subscription has held since the call was sent:
+    a lost connection or a dropped session sends the waiter back to the store.
     """
 
     def __init__(self, connect: Connect) -> None:
@@ -284,6 +363,17 @@ class CallWatcher:
         self._live = False
         self._failed = False  # a connection failed and no new one is up yet
         self._closed = False
+        # The sessions whose channels this watcher listens on, least recently used first:
+        # each one's confirmation on the current connection (a number never used again), or
+        # None until it is confirmed.
+        self._sessions: OrderedDict[str, int | None] = OrderedDict()
+        self._confirmations = itertools.count(1)
+        # The calls sent under a confirmed session (see ``sent``), oldest first, by key, and
+        # the characters of the ends kept for them.
+        self._sent: OrderedDict[str, _Sent] = OrderedDict()
+        self._kept_chars = 0
+        # The watches of sent calls, by their call's channel (never subscribed themselves).
+        self._local: dict[str, list[Watch]] = {}
 
     @property
     def live(self) -> bool:
@@ -313,9 +403,106 @@ class CallWatcher:
             self._poke()
         return watch
 
+    def sending(self, session_id: str) -> int | None:
+        """Called before a call of ``session_id`` is recorded: the confirmation that the ends
+        of the session's calls reach this watcher now, to hand to :meth:`sent`, or None.
+
+        Listens on the session's channel from now on if it did not (without waiting for
+        that: the session's later calls find it confirmed), up to :data:`MAX_SESSIONS`."""
+        if self._pid != os.getpid():
+            return None  # a forked child: its first watch starts afresh
+        channel = session_channel(session_id)
+        dropped: set[str] = set()
+        with self._lock:
+            if self._closed:
+                return None
+            if session_id in self._sessions:
+                self._sessions.move_to_end(session_id)
+                return self._sessions[session_id] if self._live else None
+            self._start()
+            self._sessions[session_id] = None
+            self._requests.append(("subscribe", channel))
+            while len(self._sessions) > MAX_SESSIONS:
+                old, _ = self._sessions.popitem(last=False)
+                self._requests.append(("unsubscribe", session_channel(old)))
+                dropped.add(old)
+            # The waiters of calls sent in a dropped session read the store instead.
+            orphaned = [ended_channel(k) for k, s in self._sent.items()
+                        if s.session_id in dropped] if dropped else []
+        self._poke()
+        for waiting in orphaned:
+            self._wake(waiting)
+        return None
+
+    def sent(self, key: str, session_id: str, confirmed: int | None) -> None:
+        """Call ``key`` of ``session_id`` was recorded, under the confirmation
+        :meth:`sending` gave (None: nothing is kept). Its end is kept when its session's
+        channel announces it, until :meth:`watch_sent` hands it on (at most
+        :data:`MAX_SENT` calls, the oldest dropped)."""
+        if confirmed is None:
+            return
+        with self._lock:
+            self._forget(key)
+            self._sent[key] = _Sent(session_id, confirmed)
+            self._trim()
+
+    def watch_sent(self, key: str,
+                   on_wake: Callable[[], None] | None = None) -> Watch | None:
+        """A watch of call ``key`` that needs no read of the store: this client sent the call
+        (:meth:`sent`) while its session's ends reached the watcher, and they have reached it
+        ever since, so its end cannot be missed. Its ``message`` is the end, if announced
+        already; else it is woken with it. None if that does not hold (read the store)."""
+        if self._pid != os.getpid():
+            return None
+        channel = ended_channel(key)
+        with self._lock:
+            sent = self._sent.get(key)
+            if sent is None:
+                return None
+            if not self._covering(sent):
+                self._forget(key)
+                return None
+            watch = Watch(self, channel, on_wake, sent=True)
+            watch.message = sent.message
+            self._local.setdefault(channel, []).append(watch)
+        return watch
+
+    def covers(self, watch: Watch) -> bool:
+        """Whether the end of ``watch``'s sent call still cannot be missed."""
+        with self._lock:
+            sent = self._sent.get(watch.channel.removeprefix(CHANNEL_PREFIX))
+            return watch.sent and sent is not None and self._covering(sent)
+
+    def _forget(self, key: str) -> None:
+        # Under self._lock.
+        sent = self._sent.pop(key, None)
+        if sent is not None and sent.message is not None:
+            self._kept_chars -= len(sent.message)
+
+    def _trim(self) -> None:
+        # Under self._lock: the oldest sent calls go beyond the bounds.
+        while self._sent and (len(self._sent) > MAX_SENT
+                              or self._kept_chars > MAX_KEPT_CHARS):
+            self._forget(next(iter(self._sent)))
+
+    def _covering(self, sent: _Sent) -> bool:
+        # Under self._lock. A confirmation is never given twice, so a session dropped or a
+        # connection lost since (its confirmation then None or a newer one) does not match.
+        return self._live and self._sessions.get(sent.session_id) == sent.confirmed
+
     def release(self, watch: Watch) -> None:
         """Forget ``watch``; unsubscribe its channel if no other watch needs it. (Nothing waits
         for that: the thread sends it with its next command, or within a second.)"""
+        if watch.sent:
+            with self._lock:
+                local = self._local.get(watch.channel, [])
+                if watch in local:
+                    local.remove(watch)
+                if not local:
+                    self._local.pop(watch.channel, None)
+                    # Waited for: its end is not kept any longer.
+                    self._forget(watch.channel.removeprefix(CHANNEL_PREFIX))
+            return
         with self._lock:
             watches = self._watches.get(watch.channel)
             if watches is None or watch not in watches:
@@ -368,11 +555,43 @@ class CallWatcher:
     def _wake(self, channel: str | None, message: str | bytes | None = None) -> None:
         with self._lock:
             if channel is None:
-                watches = [w for ws in self._watches.values() for w in ws]
+                watches = [w for ws in (*self._watches.values(), *self._local.values())
+                           for w in ws]
             else:
-                watches = list(self._watches.get(channel, ()))
+                watches = [*self._watches.get(channel, ()), *self._local.get(channel, ())]
         for watch in watches:
             watch.wake(message)
+
+    def _heard_session(self, kind: str, session_id: str, data: Any) -> None:
+        """What a session's channel said: its subscription confirmed or ended, or the end of
+        one of its calls, kept for the call's waiter if this client sent it."""
+        if kind == "message":
+            parsed = parse_session_message(data) if isinstance(data, str | bytes) else None
+            if parsed is None:
+                return
+            key, message = parsed
+            with self._lock:
+                sent = self._sent.get(key)
+                if sent is None or sent.session_id != session_id or sent.message is not None:
+                    return  # a call this client did not send, or one waited for already
+                sent.message = message
+                self._kept_chars += len(message)
+                self._trim()
+            self._wake(ended_channel(key), message)
+            return
+        with self._lock:
+            if session_id not in self._sessions:
+                return
+            if kind == "subscribe":
+                self._sessions[session_id] = next(self._confirmations)
+                return
+            # Unsubscribed (dropped, perhaps to be listened on again): what was sent under
+            # its confirmation may have ended unheard. Those waiters read the store.
+            self._sessions[session_id] = None
+            channels = [ended_channel(k) for k, s in self._sent.items()
+                        if s.session_id == session_id]
+        for channel in channels:
+            self._wake(channel)
 
     # -- the watcher's thread -------------------------------------------------------------------
 
@@ -386,6 +605,10 @@ class CallWatcher:
             try:
                 with self._lock:
                     channels = list(self._watches)
+                    # A new connection: each session is confirmed anew, as it is subscribed.
+                    for session_id in self._sessions:
+                        self._sessions[session_id] = None
+                        channels.append(session_channel(session_id))
                     self._requests.clear()  # the snapshot covers them
                 pubsub.subscribe(self._own_channel, *channels)
                 self._live = True
@@ -434,10 +657,16 @@ class CallWatcher:
                     pubsub.ping()
                 continue
             heard = now
-            if message.get("type") in ("message", "subscribe"):
-                channel = message.get("channel")
-                if isinstance(channel, bytes):
-                    channel = channel.decode("utf-8", "surrogateescape")
+            kind = message.get("type")
+            channel = message.get("channel")
+            if isinstance(channel, bytes):
+                channel = channel.decode("utf-8", "surrogateescape")
+            if isinstance(channel, str) and channel.startswith(SESSION_CHANNEL_PREFIX):
+                if kind in ("message", "subscribe", "unsubscribe"):
+                    self._heard_session(str(kind), channel[len(SESSION_CHANNEL_PREFIX):],
+                                        message.get("data"))
+                continue
+            if kind in ("message", "subscribe"):
                 # A confirmed subscription wakes its waiters too: their call may have ended
                 # before it, and they must read the store once more.
                 data = message.get("data") if message.get("type") == "message" else None
