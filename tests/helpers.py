@@ -428,3 +428,18 @@ def agent_calls(env: dict[str, str], session: str, calls: list[tuple[str, dict[s
                          env=env, capture_output=True, text=True, timeout=timeout, check=True)
     result: list[dict[str, Any]] = json.loads(out.stdout)
     return result
+
+
+def count_reads(client: Any, patch: Any) -> list[str]:
+    """The keys of the calls ``client`` (a ``DexClient``) reads the record of from the store
+    from now on, as its waits do on each wake-up: its read, wrapped with ``patch`` (pytest's
+    ``monkeypatch``), which puts it back after the test."""
+    reads: list[str] = []
+    read = client._stored_call
+
+    def counted(key: str) -> Any:
+        reads.append(key)
+        return read(key)
+
+    patch.setattr(client, "_stored_call", counted)
+    return reads

@@ -37,7 +37,7 @@ from dex_tasks.store import EndedCall, Store
 from dex_tasks.worker.execution import Runtime
 from dex_tasks.worker.sweeps import run_job
 from tests.conftest import StartWorker, fast_settings, settings_env
-from tests.helpers import ROOT, dex_command, free_port, started_pid, wait_until
+from tests.helpers import ROOT, count_reads, dex_command, free_port, started_pid, wait_until
 
 NO_POLL = 60.0  # wait_poll_seconds in these tests: far beyond any bound asserted below
 WOKEN_WITHIN = 15.0  # a generous bound for a loaded 2-core machine, far below NO_POLL
@@ -106,24 +106,11 @@ def _wait_in_thread(client: DexClient, key: str) -> tuple[threading.Thread, dict
     return thread, out
 
 
-def _count_reads(client: DexClient, monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """Record when ``client`` reads a call's record (what ``wait`` does on each wake-up)."""
-    reads: list[float] = []
-    read = client._stored_call  # wait's read of the store
-
-    def counted(key: str) -> Any:
-        reads.append(time.monotonic())
-        return read(key)
-
-    monkeypatch.setattr(client, "_stored_call", counted)
-    return reads
-
-
 def test_wait_is_woken_when_the_worker_ends_the_call(
     client: DexClient, start_worker: StartWorker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     start_worker(concurrency=2)
-    reads = _count_reads(client, monkeypatch)
+    reads = count_reads(client, monkeypatch)
     # Given a read that takes three seconds, and a waiter subscribed before it ends
     record = client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1",
                               tool="lookup_order", arguments={"order_id": "1001", "sleep": 3.0})
@@ -145,7 +132,7 @@ def test_async_waits_are_woken_together(settings: DexSettings, start_worker: Sta
 
     async def agent() -> tuple[list[CallStatus], float, int]:
         async with AsyncDexClient(settings) as client:
-            reads = _count_reads(client.sync, monkeypatch)
+            reads = count_reads(client.sync, monkeypatch)
             records = await client.call_tools(
                 [{"tool_call_id": f"c{i}", "tool": "lookup_order",
                   "arguments": {"order_id": "1001", "sleep": 1.0}} for i in range(6)],

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import redis
@@ -26,7 +25,7 @@ from dex_tasks.broker.notify import (
     session_message,
 )
 from tests.conftest import StartWorker, fast_settings
-from tests.helpers import wait_until
+from tests.helpers import count_reads, wait_until
 
 NO_POLL = 60.0
 WOKEN_WITHIN = 15.0
@@ -58,17 +57,14 @@ def _listening(client: DexClient, session: str = "s1") -> None:
                f"the subscription of {session}")
 
 
-def _count_reads(client: DexClient, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Record each read of a call's record by ``client``'s waits."""
-    reads: list[str] = []
-    read = client._stored_call
-
-    def counted(key: str) -> Any:
-        reads.append(key)
-        return read(key)
-
-    monkeypatch.setattr(client, "_stored_call", counted)
-    return reads
+@pytest.fixture
+def reads(client: DexClient, start_worker: StartWorker,
+          monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A worker running, ``client`` listening on session ``s1``, and the keys of the calls
+    its waits read from the store from now on."""
+    start_worker(concurrency=2)
+    _listening(client)
+    return count_reads(client, monkeypatch)
 
 
 def test_a_sent_call_is_waited_for_without_reading_the_store(
@@ -81,7 +77,7 @@ def test_a_sent_call_is_waited_for_without_reading_the_store(
     assert client._watcher is None
     # Given a client that waited once, and so listens on the session of its calls
     _listening(client)
-    reads = _count_reads(client, monkeypatch)
+    reads = count_reads(client, monkeypatch)
     # When it sends a call that ends a second later, and waits for it
     key = _lookup(client, "c1", sleep=1.0)
     started = time.monotonic()
@@ -95,16 +91,13 @@ def test_a_sent_call_is_waited_for_without_reading_the_store(
     assert final == client.get_tool_call(key)
 
 
-def test_an_end_announced_before_the_wait_is_kept_for_it(
-    client: DexClient, start_worker: StartWorker, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    start_worker(concurrency=2)
-    _listening(client)
-    reads = _count_reads(client, monkeypatch)
+def test_an_end_announced_before_the_wait_is_kept_for_it(client: DexClient,
+                                                        reads: list[str]) -> None:
     # Given calls that ended before anyone waited for them
     keys = [_lookup(client, f"c{i}") for i in range(5)]
-    wait_until(lambda: all(client.store.get_call(k).status == "succeeded" for k in keys),
-               WOKEN_WITHIN, "the calls to end")
+    stored = client.store  # (read apart from the waits' reads)
+    wait_until(lambda: all(getattr(stored.get_call(k), "status", None) == "succeeded"
+                           for k in keys), WOKEN_WITHIN, "the calls to end")
     # Then each wait returns its own ended record, and reads nothing
     finals = [client.wait(k, timeout=1.0) for k in keys]
     assert [f.key for f in finals] == keys
@@ -120,7 +113,7 @@ def test_the_first_call_of_a_session_is_read_as_before(
 ) -> None:
     start_worker(concurrency=2)
     _listening(client, "s1")
-    reads = _count_reads(client, monkeypatch)
+    reads = count_reads(client, monkeypatch)
     # A session this client has not listened on yet: its first call cannot count on it
     key = _lookup(client, "c1", session="s2", sleep=0.5)
     assert client.wait(key, timeout=NO_POLL / 2).status is CallStatus.SUCCEEDED
@@ -134,12 +127,8 @@ def test_the_first_call_of_a_session_is_read_as_before(
 
 
 def test_a_lost_connection_sends_the_waiter_back_to_the_store(
-    client: DexClient, start_worker: StartWorker, admin: redis.Redis,
-    monkeypatch: pytest.MonkeyPatch,
+    client: DexClient, reads: list[str], admin: redis.Redis
 ) -> None:
-    start_worker(concurrency=2)
-    _listening(client)
-    reads = _count_reads(client, monkeypatch)
     # Given a call sent under the session's subscription
     key = _lookup(client, "c1", sleep=2.0)
     # When the watcher's connection is cut before the call ends (its end may go unheard)
@@ -157,11 +146,8 @@ def test_a_lost_connection_sends_the_waiter_back_to_the_store(
 
 
 def test_a_dropped_session_or_call_sends_the_waiter_back_to_the_store(
-    client: DexClient, start_worker: StartWorker, monkeypatch: pytest.MonkeyPatch
+    client: DexClient, reads: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    start_worker(concurrency=2)
-    _listening(client)
-    reads = _count_reads(client, monkeypatch)
     # Given a watcher that keeps one session and two sent calls
     monkeypatch.setattr(notify, "MAX_SESSIONS", 1)
     monkeypatch.setattr(notify, "MAX_SENT", 2)
@@ -189,12 +175,8 @@ def test_a_dropped_session_or_call_sends_the_waiter_back_to_the_store(
 
 @pytest.mark.parametrize("forged", ["succeeded", "succeeded forged.record.signature"])
 def test_a_message_that_is_not_a_signed_record_of_the_call_is_not_believed(
-    client: DexClient, start_worker: StartWorker, admin: redis.Redis,
-    monkeypatch: pytest.MonkeyPatch, forged: str,
+    client: DexClient, reads: list[str], admin: redis.Redis, forged: str
 ) -> None:
-    start_worker(concurrency=2)
-    _listening(client)
-    reads = _count_reads(client, monkeypatch)
     # Given a sent call that runs for two seconds
     key = _lookup(client, "c1", sleep=2.0)
     # When someone who can publish on Redis announces its end first
@@ -217,7 +199,7 @@ def test_an_async_client_waits_for_its_sent_calls_without_reading(
             await client.wait(first.key, timeout=NO_POLL / 2)
             wait_until(lambda: client.sync.watcher.sending("s1") is not None, 10,
                        "the subscription of s1")
-            reads = _count_reads(client.sync, monkeypatch)
+            reads = count_reads(client.sync, monkeypatch)
             records = await client.call_tools(
                 [{"tool_call_id": f"c{i}", "tool": "lookup_order",
                   "arguments": {"order_id": "1001", "sleep": 0.5}} for i in range(4)],
