@@ -10,8 +10,10 @@ woken by a notification, never by a poll.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -20,10 +22,12 @@ import workers.example_tools  # noqa: F401 - registers the example tools in this
 from dex_tasks import AsyncDexClient, CallStatus, DexClient, DexSettings
 from dex_tasks.broker import notify
 from dex_tasks.broker.notify import (
+    ended_channel,
     parse_session_message,
     session_channel,
     session_message,
 )
+from dex_tasks.store import Store
 from tests.conftest import StartWorker, fast_settings
 from tests.helpers import count_reads, wait_until
 
@@ -41,6 +45,19 @@ def admin(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url)
     yield client
     client.close()
+
+
+def _wait_in_thread(client: DexClient, key: str) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        started = time.monotonic()
+        out["record"] = client.wait(key, timeout=NO_POLL / 2)
+        out["took"] = time.monotonic() - started
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
 
 
 def _lookup(client: DexClient, call_id: str, session: str = "s1", sleep: float = 0.0) -> str:
@@ -170,6 +187,30 @@ def test_a_dropped_session_or_call_sends_the_waiter_back_to_the_store(
     key = _lookup(client, "long")
     wait_until(lambda: key not in client.watcher._sent, WOKEN_WITHIN, "the end to be dropped")
     assert client.wait(key, timeout=NO_POLL / 2).status is CallStatus.SUCCEEDED
+    assert reads == [key]
+
+
+def test_an_end_announced_only_on_its_calls_channel_still_wakes_the_waiter(
+    client: DexClient, reads: list[str], admin: redis.Redis, settings: DexSettings
+) -> None:
+    # Given a sent call that runs for a long time, and its waiter
+    key = _lookup(client, "c1", sleep=30.0)
+    thread, out = _wait_in_thread(client, key)
+    wait_until(lambda: ended_channel(key) in client.watcher._watches, 10, "the watch")
+    # When it ends announced as a worker of a release before session channels announces it:
+    # on the call's own channel only (here a bare status, after a write with no hooks)
+    silent = Store(settings.database_url)
+    try:
+        assert silent.transition(key, CallStatus.RUNNING)
+        assert silent.transition(key, CallStatus.SUCCEEDED, values={"result": "1"})
+    finally:
+        silent.close()
+    wait_until(lambda: admin.publish(ended_channel(key), "succeeded") == 1 or "record" in out,
+               10, "the announcement to reach the waiter")
+    thread.join(WOKEN_WITHIN)
+    # Then the waiter is woken, reads the store once, and has the call, long before a poll
+    assert out["record"].status is CallStatus.SUCCEEDED
+    assert out["took"] < WOKEN_WITHIN
     assert reads == [key]
 
 

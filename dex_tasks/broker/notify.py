@@ -266,8 +266,8 @@ class Watch:
         self._event = threading.Event()
         # The last message heard on the channel: a signed ended record, or a bare status.
         self.message: str | bytes | None = None
-        # A watch of a call this client sent, heard on its session's channel and subscribed
-        # to nothing of its own (CallWatcher.watch_sent).
+        # A watch of a call this client sent, whose end its session's channel announces
+        # (CallWatcher.watch_sent).
         self.sent = sent
 
     @property
@@ -372,8 +372,6 @@ class CallWatcher:
         # the characters of the ends kept for them.
         self._sent: OrderedDict[str, _Sent] = OrderedDict()
         self._kept_chars = 0
-        # The watches of sent calls, by their call's channel (never subscribed themselves).
-        self._local: dict[str, list[Watch]] = {}
 
     @property
     def live(self) -> bool:
@@ -451,7 +449,12 @@ class CallWatcher:
         """A watch of call ``key`` that needs no read of the store: this client sent the call
         (:meth:`sent`) while its session's ends reached the watcher, and they have reached it
         ever since, so its end cannot be missed. Its ``message`` is the end, if announced
-        already; else it is woken with it. None if that does not hold (read the store)."""
+        already; else it is woken with it. None if that does not hold (read the store).
+
+        A call whose end is still to come is watched on its own channel too, as
+        :meth:`watch` does, though nothing waits for that subscription or reads the store
+        after it: a worker of a release before session channels (during an upgrade)
+        announces only there."""
         if self._pid != os.getpid():
             return None
         channel = ended_channel(key)
@@ -464,7 +467,15 @@ class CallWatcher:
                 return None
             watch = Watch(self, channel, on_wake, sent=True)
             watch.message = sent.message
-            self._local.setdefault(channel, []).append(watch)
+            if watch.message is not None:
+                return watch
+            watches = self._watches.setdefault(channel, [])
+            watches.append(watch)
+            first = len(watches) == 1
+            if first:
+                self._requests.append(("subscribe", channel))
+        if first:
+            self._poke()
         return watch
 
     def covers(self, watch: Watch) -> bool:
@@ -493,17 +504,10 @@ class CallWatcher:
     def release(self, watch: Watch) -> None:
         """Forget ``watch``; unsubscribe its channel if no other watch needs it. (Nothing waits
         for that: the thread sends it with its next command, or within a second.)"""
-        if watch.sent:
-            with self._lock:
-                local = self._local.get(watch.channel, [])
-                if watch in local:
-                    local.remove(watch)
-                if not local:
-                    self._local.pop(watch.channel, None)
-                    # Waited for: its end is not kept any longer.
-                    self._forget(watch.channel.removeprefix(CHANNEL_PREFIX))
-            return
         with self._lock:
+            if watch.sent:
+                # Waited for: its end is not kept any longer.
+                self._forget(watch.channel.removeprefix(CHANNEL_PREFIX))
             watches = self._watches.get(watch.channel)
             if watches is None or watch not in watches:
                 return
@@ -555,10 +559,9 @@ class CallWatcher:
     def _wake(self, channel: str | None, message: str | bytes | None = None) -> None:
         with self._lock:
             if channel is None:
-                watches = [w for ws in (*self._watches.values(), *self._local.values())
-                           for w in ws]
+                watches = [w for ws in self._watches.values() for w in ws]
             else:
-                watches = [*self._watches.get(channel, ()), *self._local.get(channel, ())]
+                watches = list(self._watches.get(channel, ()))
         for watch in watches:
             watch.wake(message)
 
