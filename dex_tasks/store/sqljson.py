@@ -50,9 +50,16 @@ def _storable(value: Any) -> Any:
     return value
 
 
+# What json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False) writes, with
+# its encoder made once: json.dumps makes one per call when given options, about 1.1 µs of each
+# JSON value read back on PostgreSQL (a call's arguments: 4.8 against 3.7 µs, issue 29). An
+# encoder keeps no state between calls: one serves every thread.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
 def canonical_text(value: Any) -> str:
     """JSON with sorted keys and no spaces: the text the store hands back for ``value``."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return _CANONICAL.encode(value)
 
 
 def _parsed(text: str) -> Any:
