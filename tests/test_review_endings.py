@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from dex_tasks import CallStatus, DexClient
@@ -82,3 +83,34 @@ def test_a_terminal_write_the_store_refuses_for_its_data_ends_the_call_failed(
         assert final.status is CallStatus.FAILED
         assert final.error == ("the tool ended (failed) but the store refused to record that "
                                "ending (UnicodeEncodeError)")
+
+
+@pytest.mark.parametrize("result", [
+    "{not json",  # sent as it is, refused by the server (DataError)
+    '"\\u00e9',  # parsed here first (it has an escape), refused here (ValueError)
+])
+def test_an_ending_whose_result_postgres_refuses_ends_the_call_failed(
+    postgres_url: str, redis_url: str, result: str,
+) -> None:
+    # Given a running call on PostgreSQL, and an ending whose result is not JSON (written
+    # straight in: a tool's result is dumped by the worker, never given as text)
+    settings = fast_settings(redis_url, postgres_url)
+    with DexClient(settings) as client:
+        record = client.call_tool(session_id="s", turn_id="t", tool_call_id="c",
+                                  tool="lookup_order", arguments={"order_id": "1001"})
+        assert client.store.claim(record.key, "w:1", 30, lambda row: None) is not None
+        rt = Runtime(settings=settings, store=client.store,
+                     redis=redis.Redis.from_url(redis_url), app=client.app)
+        try:
+            # When the worker records it
+            won = endings.finish(rt, record.key, "w:1", CallStatus.SUCCEEDED, result=result)
+        finally:
+            rt.redis.close()
+        # Then the call ends failed at once, saying the store refused its ending
+        assert won
+        final = client.get_tool_call(record.key)
+        assert final.status is CallStatus.FAILED and final.result is None
+        assert (final.error or "").startswith(
+            "the tool ended (succeeded) but the store refused to record that ending (")
+        tool = [m for m in client.get_agent_snapshot("s").messages if m.tool]
+        assert [m.tool_output for m in tool] == [final.error]

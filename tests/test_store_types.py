@@ -5,12 +5,14 @@ message ids past 32 bits."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from sqlalchemy import inspect, text
+from sqlalchemy.dialects.postgresql import psycopg
 
 from dex_tasks import (
     CallStatus,
@@ -22,7 +24,8 @@ from dex_tasks import (
     registry,
 )
 from dex_tasks.store import Store
-from dex_tasks.store.sqljson import same_json
+from dex_tasks.store.sqljson import JsonText, canonical_text, same_json, storable_json
+from dex_tasks.store.transitions import Started, single_statement
 from tests.conftest import StartWorker, fast_settings
 
 
@@ -127,6 +130,102 @@ def test_what_jsonb_cannot_hold_is_refused_alike_on_both_engines(db_client: DexC
         assert quoted == "bad\ufffdbyte \ufffd"
     else:
         assert quoted == "bad\x00byte \udc80"
+
+
+def test_storable_json_passes_plain_text_as_it_is_and_makes_the_rest_holdable() -> None:
+    # ASCII text without a \u escape cannot spell a NUL or a lone surrogate: kept as it is
+    plain = '{"b": [1, 2.5, null], "a": "x\\\\y"}'
+    assert storable_json(plain) is plain
+    # Escapes of a NUL or a lone surrogate, or a raw surrogate: U+FFFD, in canonical text
+    assert storable_json('{"t": "a\\u0000b \\udc80"}') == '{"t":"a\\ufffdb \\ufffd"}'
+    assert storable_json('{"t": "\u00e9 \udc80"}') == '{"t":"\\u00e9 \\ufffd"}'
+    # A surrogate pair is one character, kept; JSON null stays JSON null
+    assert json.loads(storable_json('["\\ud83d\\udce6"]')) == ["\U0001f4e6"]
+    assert storable_json("null") == "null"
+    # Text that is not JSON and must be parsed here is refused here
+    with pytest.raises(ValueError):
+        storable_json('"\\u00e9')
+
+
+def test_a_single_statement_move_sends_its_json_as_text_for_the_server_to_cast() -> None:
+    # Given PostgreSQL's one-statement form of a retrying call's ending that writes JSON
+    # columns, with its start's event
+    compiled = single_statement(
+        CallStatus.SUCCEEDED, frozenset({CallStatus.QUEUED}), ("attempts",),
+        ("arguments", "finished_at", "lease_expires_at", "result", "updated_at"),
+        started=True).compile(dialect=psycopg.dialect())
+    # Then its JSON values and event details are text the server casts to jsonb, not values
+    # the column type parses here and psycopg writes out again
+    for name in ("v_result", "v_arguments", "ev_detail", "st_detail"):
+        assert re.search(rf"CAST\(%\({name}\)s(::VARCHAR)? AS JSONB\)", compiled.string), name
+        assert not isinstance(compiled.binds[name].type, JsonText), name
+
+
+def test_what_a_move_writes_as_json_is_stored_as_json_on_both_engines(
+    db_client: DexClient,
+) -> None:
+    store = db_client.store
+
+    def new_call(tool_call_id: str) -> str:
+        return db_client.call_tool(session_id="s1", turn_id="t1", tool_call_id=tool_call_id,
+                                   tool="json_probe", arguments={"order_id": "1001"}).key
+
+    def stored(key: str) -> tuple[str | None, list[str | None]]:
+        return (store.get_call(key).result,  # type: ignore[union-attr]
+                [e.detail for e in store.events_for_call(key)])
+
+    # Given ordinary JSON: a result (canonical, as the store hands it back) and details, in
+    # an ending that also writes its attempt's start (one statement on PostgreSQL)
+    value = {"order_id": "1001", "items": [1, 2.5, "é", "📦", None], "ok": True, "n": {}}
+    detail = {"reason": "done é", "n": [1, 2]}
+    start = {"attempt": 1, "worker": "w:1"}
+    plain = new_call("c1")
+    assert store.transition(plain, CallStatus.SUCCEEDED, allowed={CallStatus.QUEUED},
+                            values={"result": canonical_text(value)}, detail=detail,
+                            started=Started(at=time.time(), detail=start))
+    # Then they read back as written: the result's text exactly, the details by value (the
+    # store hands back canonical text; SQLite keeps the text written)
+    result, details = stored(plain)
+    assert result == canonical_text(value)
+    assert [json.loads(d) if d else d for d in details[1:]] == [start, detail]
+    if is_postgres(db_client):
+        assert details[1:] == [canonical_text(start), canonical_text(detail)]
+    tool = [m for m in db_client.get_agent_snapshot("s1").messages if m.key == plain]
+    assert [json.loads(m.tool_output or "") for m in tool] == [value]
+
+    # Given diagnostics with a NUL and a lone surrogate (escaped, as json.dumps writes them)
+    bad = "bad\x00byte \udc80"
+    diagnostic = new_call("c2")
+    assert store.transition(diagnostic, CallStatus.SUCCEEDED, allowed={CallStatus.QUEUED},
+                            values={"result": json.dumps({"text": bad})},
+                            detail={"error": bad},
+                            started=Started(at=time.time(), detail={"worker": bad}))
+    # Then the move still succeeds: jsonb holds U+FFFD in their place, SQLite the text
+    result, details = stored(diagnostic)
+    kept = "bad\ufffdbyte \ufffd" if is_postgres(db_client) else bad
+    assert json.loads(result or "") == {"text": kept}
+    assert [json.loads(d or "") for d in details[1:]] == [{"worker": kept}, {"error": kept}]
+    if is_postgres(db_client):
+        # And so is a lone surrogate in JSON text written without escapes (which SQLite
+        # cannot encode)
+        raw = new_call("c4")
+        assert store.transition(raw, CallStatus.SUCCEEDED, allowed={CallStatus.QUEUED},
+                                values={"result": json.dumps(["é \udc80"], ensure_ascii=False)})
+        assert json.loads(stored(raw)[0] or "") == ["é \ufffd"]
+
+    # And JSON null is stored as JSON null, a missing detail as SQL NULL
+    null = new_call("c3")
+    assert store.transition(null, CallStatus.RUNNING)
+    assert store.transition(null, CallStatus.SUCCEEDED, values={"result": "null"})
+    result, details = stored(null)
+    assert (result, details[1:]) == ("null", [None, None])
+    with store.read() as conn:
+        kind = ("jsonb_typeof(result)" if is_postgres(db_client)
+                else "json_type(result)")
+        assert conn.execute(text(f"SELECT {kind}, result IS NULL FROM dex_tool_calls "
+                                 "WHERE key = :key"), {"key": null}).one() == ("null", False)
+        assert conn.execute(text("SELECT count(*) FROM dex_call_events WHERE key = :key "
+                                 "AND detail IS NULL"), {"key": null}).scalar_one() == 2
 
 
 def test_a_result_jsonb_cannot_hold_fails_the_call_saying_why(
