@@ -556,12 +556,17 @@ class CallWatcher:
         except OSError:
             log.debug("could not wake the call watcher", exc_info=True)
 
-    def _wake(self, channel: str | None, message: str | bytes | None = None) -> None:
+    def _wake(self, channel: str | None, message: str | bytes | None = None, *,
+              confirmed: bool = False) -> None:
+        """Wake the watches of ``channel`` (None: every watch) with ``message``.
+        ``confirmed``: the channel's subscription was confirmed, which is news only to the
+        waiters that read the store after it, not to those of sent calls."""
         with self._lock:
             if channel is None:
                 watches = [w for ws in self._watches.values() for w in ws]
             else:
-                watches = list(self._watches.get(channel, ()))
+                watches = [w for w in self._watches.get(channel, ())
+                           if not (confirmed and w.sent)]
         for watch in watches:
             watch.wake(message)
 
@@ -669,11 +674,13 @@ class CallWatcher:
                     self._heard_session(str(kind), channel[len(SESSION_CHANNEL_PREFIX):],
                                         message.get("data"))
                 continue
-            if kind in ("message", "subscribe"):
+            if kind == "message":
+                data = message.get("data")
+                self._wake(str(channel), data if isinstance(data, str | bytes) else None)
+            elif kind == "subscribe":
                 # A confirmed subscription wakes its waiters too: their call may have ended
                 # before it, and they must read the store once more.
-                data = message.get("data") if message.get("type") == "message" else None
-                self._wake(str(channel), data if isinstance(data, str | bytes) else None)
+                self._wake(str(channel), confirmed=True)
 
     def _sleep(self, pubsub: Any, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for Redis to send something on the connection or a
