@@ -266,8 +266,8 @@ class Watch:
         self._event = threading.Event()
         # The last message heard on the channel: a signed ended record, or a bare status.
         self.message: str | bytes | None = None
-        # A watch of a call this client sent, whose end its session's channel announces
-        # (CallWatcher.watch_sent).
+        # A watch of a call this client sent, heard on its session's channel and subscribed
+        # to nothing of its own (CallWatcher.watch_sent).
         self.sent = sent
 
     @property
@@ -372,6 +372,8 @@ class CallWatcher:
         # the characters of the ends kept for them.
         self._sent: OrderedDict[str, _Sent] = OrderedDict()
         self._kept_chars = 0
+        # The watches of sent calls, by their call's channel (never subscribed themselves).
+        self._local: dict[str, list[Watch]] = {}
 
     @property
     def live(self) -> bool:
@@ -449,12 +451,7 @@ class CallWatcher:
         """A watch of call ``key`` that needs no read of the store: this client sent the call
         (:meth:`sent`) while its session's ends reached the watcher, and they have reached it
         ever since, so its end cannot be missed. Its ``message`` is the end, if announced
-        already; else it is woken with it. None if that does not hold (read the store).
-
-        A call whose end is still to come is watched on its own channel too, as
-        :meth:`watch` does, though nothing waits for that subscription or reads the store
-        after it: a worker of a release before session channels (during an upgrade)
-        announces only there."""
+        already; else it is woken with it. None if that does not hold (read the store)."""
         if self._pid != os.getpid():
             return None
         channel = ended_channel(key)
@@ -467,15 +464,7 @@ class CallWatcher:
                 return None
             watch = Watch(self, channel, on_wake, sent=True)
             watch.message = sent.message
-            if watch.message is not None:
-                return watch
-            watches = self._watches.setdefault(channel, [])
-            watches.append(watch)
-            first = len(watches) == 1
-            if first:
-                self._requests.append(("subscribe", channel))
-        if first:
-            self._poke()
+            self._local.setdefault(channel, []).append(watch)
         return watch
 
     def covers(self, watch: Watch) -> bool:
@@ -504,10 +493,17 @@ class CallWatcher:
     def release(self, watch: Watch) -> None:
         """Forget ``watch``; unsubscribe its channel if no other watch needs it. (Nothing waits
         for that: the thread sends it with its next command, or within a second.)"""
+        if watch.sent:
+            with self._lock:
+                local = self._local.get(watch.channel, [])
+                if watch in local:
+                    local.remove(watch)
+                if not local:
+                    self._local.pop(watch.channel, None)
+                    # Waited for: its end is not kept any longer.
+                    self._forget(watch.channel.removeprefix(CHANNEL_PREFIX))
+            return
         with self._lock:
-            if watch.sent:
-                # Waited for: its end is not kept any longer.
-                self._forget(watch.channel.removeprefix(CHANNEL_PREFIX))
             watches = self._watches.get(watch.channel)
             if watches is None or watch not in watches:
                 return
@@ -556,17 +552,13 @@ class CallWatcher:
         except OSError:
             log.debug("could not wake the call watcher", exc_info=True)
 
-    def _wake(self, channel: str | None, message: str | bytes | None = None, *,
-              confirmed: bool = False) -> None:
-        """Wake the watches of ``channel`` (None: every watch) with ``message``.
-        ``confirmed``: the channel's subscription was confirmed, which is news only to the
-        waiters that read the store after it, not to those of sent calls."""
+    def _wake(self, channel: str | None, message: str | bytes | None = None) -> None:
         with self._lock:
             if channel is None:
-                watches = [w for ws in self._watches.values() for w in ws]
+                watches = [w for ws in (*self._watches.values(), *self._local.values())
+                           for w in ws]
             else:
-                watches = [w for w in self._watches.get(channel, ())
-                           if not (confirmed and w.sent)]
+                watches = [*self._watches.get(channel, ()), *self._local.get(channel, ())]
         for watch in watches:
             watch.wake(message)
 
@@ -674,13 +666,11 @@ class CallWatcher:
                     self._heard_session(str(kind), channel[len(SESSION_CHANNEL_PREFIX):],
                                         message.get("data"))
                 continue
-            if kind == "message":
-                data = message.get("data")
-                self._wake(str(channel), data if isinstance(data, str | bytes) else None)
-            elif kind == "subscribe":
+            if kind in ("message", "subscribe"):
                 # A confirmed subscription wakes its waiters too: their call may have ended
                 # before it, and they must read the store once more.
-                self._wake(str(channel), confirmed=True)
+                data = message.get("data") if message.get("type") == "message" else None
+                self._wake(str(channel), data if isinstance(data, str | bytes) else None)
 
     def _sleep(self, pubsub: Any, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for Redis to send something on the connection or a
