@@ -8,13 +8,15 @@ beat runs here: only the worker can end these calls.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
-from dex_tasks import CallStatus, DexClient
+from dex_tasks import CallStatus, DexClient, DexSettings
 from dex_tasks.limits import text_problem
 from dex_tasks.worker import endings
 from dex_tasks.worker.execution import Runtime
@@ -59,27 +61,33 @@ def test_endings_the_store_cannot_hold_end_the_call_failed_at_once(
 
 
 
-def test_a_terminal_write_the_store_refuses_for_its_data_ends_the_call_failed(
-    database_url: str, redis_url: str
-) -> None:
-    # Given a running call, and an ending that slipped past the checks (a lone surrogate
-    # written straight in: neither engine can encode it)
-    settings = fast_settings(redis_url, database_url)
+@contextmanager
+def _running_call(settings: DexSettings) -> Iterator[tuple[DexClient, Runtime, str]]:
+    """A client, a worker's runtime on its store, and the key of a call claimed by ``w:1``."""
     with DexClient(settings) as client:
         record = client.call_tool(session_id="s", turn_id="t", tool_call_id="c",
                                   tool="lookup_order", arguments={"order_id": "1001"})
         assert client.store.claim(record.key, "w:1", 30, lambda row: None) is not None
         rt = Runtime(settings=settings, store=client.store,
-                     redis=redis.Redis.from_url(redis_url), app=client.app)
+                     redis=redis.Redis.from_url(settings.redis_url), app=client.app)
         try:
-            # When the worker records it (the body's own write, not reachable from a tool)
-            won = endings.finish(rt, record.key, "w:1", CallStatus.FAILED,
-                                    error="bad \udc80", reason="tool_error")
+            yield client, rt, record.key
         finally:
             rt.redis.close()
+
+
+def test_a_terminal_write_the_store_refuses_for_its_data_ends_the_call_failed(
+    database_url: str, redis_url: str
+) -> None:
+    # Given a running call, and an ending that slipped past the checks (a lone surrogate
+    # written straight in: neither engine can encode it)
+    with _running_call(fast_settings(redis_url, database_url)) as (client, rt, key):
+        # When the worker records it (the body's own write, not reachable from a tool)
+        won = endings.finish(rt, key, "w:1", CallStatus.FAILED, error="bad \udc80",
+                             reason="tool_error")
         # Then the call ends failed at once, saying the store refused its ending
         assert won
-        final = client.get_tool_call(record.key)
+        final = client.get_tool_call(key)
         assert final.status is CallStatus.FAILED
         assert final.error == ("the tool ended (failed) but the store refused to record that "
                                "ending (UnicodeEncodeError)")
@@ -94,21 +102,12 @@ def test_an_ending_whose_result_postgres_refuses_ends_the_call_failed(
 ) -> None:
     # Given a running call on PostgreSQL, and an ending whose result is not JSON (written
     # straight in: a tool's result is dumped by the worker, never given as text)
-    settings = fast_settings(redis_url, postgres_url)
-    with DexClient(settings) as client:
-        record = client.call_tool(session_id="s", turn_id="t", tool_call_id="c",
-                                  tool="lookup_order", arguments={"order_id": "1001"})
-        assert client.store.claim(record.key, "w:1", 30, lambda row: None) is not None
-        rt = Runtime(settings=settings, store=client.store,
-                     redis=redis.Redis.from_url(redis_url), app=client.app)
-        try:
-            # When the worker records it
-            won = endings.finish(rt, record.key, "w:1", CallStatus.SUCCEEDED, result=result)
-        finally:
-            rt.redis.close()
+    with _running_call(fast_settings(redis_url, postgres_url)) as (client, rt, key):
+        # When the worker records it
+        won = endings.finish(rt, key, "w:1", CallStatus.SUCCEEDED, result=result)
         # Then the call ends failed at once, saying the store refused its ending
         assert won
-        final = client.get_tool_call(record.key)
+        final = client.get_tool_call(key)
         assert final.status is CallStatus.FAILED and final.result is None
         assert (final.error or "").startswith(
             "the tool ended (succeeded) but the store refused to record that ending (")
