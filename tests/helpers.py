@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -443,3 +444,23 @@ def count_reads(client: Any, patch: Any) -> list[str]:
 
     patch.setattr(client, "_stored_call", counted)
     return reads
+
+
+def wait_in_thread(client: Any, key: str,
+                   timeout: float) -> tuple[threading.Thread, dict[str, Any]]:
+    """Start ``client.wait(key, timeout=timeout)`` in a thread of its own; the thread, and
+    what it leaves once joined: ``record`` (or the ``error`` it raised) and ``took``, the
+    seconds it waited."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        started = time.monotonic()
+        try:
+            out["record"] = client.wait(key, timeout=timeout)
+        except BaseException as err:  # noqa: BLE001 - reported by the test
+            out["error"] = err
+        out["took"] = time.monotonic() - started
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out

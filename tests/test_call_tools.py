@@ -23,7 +23,7 @@ from dex_tasks import (
     ToolCallRequest,
     UnknownToolError,
 )
-from dex_tasks.broker.notify import RECORD_KEY_NAME
+from dex_tasks.broker.ended import RECORD_KEY_NAME
 from dex_tasks.broker.routing import TOOL_QUEUE_PREFIX
 from dex_tasks.states import TOOL_DID_NOT_RUN
 from dex_tasks.worker.execution import Runtime

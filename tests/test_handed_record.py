@@ -16,7 +16,7 @@ import redis
 from itsdangerous import BadSignature, Serializer
 
 from dex_tasks import CallStatus, DexClient, DexSettings
-from dex_tasks.broker.notify import RECORD_SALT, ended_channel, record_serializer
+from dex_tasks.broker.ended import RECORD_SALT, ended_channel, record_serializer
 from tests.conftest import StartWorker, fast_settings
 from tests.helpers import wait_until
 from workers import ledger

@@ -23,21 +23,29 @@ import redis
 import workers.example_tools  # noqa: F401 - registers the example tools in this process
 from dex_tasks import AsyncDexClient, CallStatus, DexClient, DexSettings, registry
 from dex_tasks.broker.announce import ANNOUNCE_SHA, SCRIPT_MAX_CALLS, EndedNotifier, install
-from dex_tasks.broker.metrics import ENDED_KEY
-from dex_tasks.broker.notify import (
+from dex_tasks.broker.ended import (
     CHANNEL_PREFIX,
     SESSION_CHANNEL_PREFIX,
-    CallWatcher,
     ended_channel,
     message_status,
     redis_connector,
 )
+from dex_tasks.broker.metrics import ENDED_KEY
+from dex_tasks.broker.notify import CallWatcher
 from dex_tasks.broker.runs import RUNS_KEY, Runs
 from dex_tasks.store import EndedCall, Store
 from dex_tasks.worker.execution import Runtime
 from dex_tasks.worker.sweeps import run_job
 from tests.conftest import StartWorker, fast_settings, settings_env
-from tests.helpers import ROOT, count_reads, dex_command, free_port, started_pid, wait_until
+from tests.helpers import (
+    ROOT,
+    count_reads,
+    dex_command,
+    free_port,
+    started_pid,
+    wait_in_thread,
+    wait_until,
+)
 
 NO_POLL = 60.0  # wait_poll_seconds in these tests: far beyond any bound asserted below
 WOKEN_WITHIN = 15.0  # a generous bound for a loaded 2-core machine, far below NO_POLL
@@ -88,22 +96,6 @@ def announced(redis_url: str) -> Iterator[Announcements]:
     listener = Announcements(redis_url)
     yield listener
     listener.close()
-
-
-def _wait_in_thread(client: DexClient, key: str) -> tuple[threading.Thread, dict[str, Any]]:
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        started = time.monotonic()
-        try:
-            out["record"] = client.wait(key, timeout=NO_POLL / 2)
-        except BaseException as err:  # noqa: BLE001 - reported by the test
-            out["error"] = err
-        out["took"] = time.monotonic() - started
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, out
 
 
 def test_wait_is_woken_when_the_worker_ends_the_call(
@@ -244,7 +236,7 @@ def test_a_lost_notification_costs_one_poll_interval(redis_url: str, sqlite_url:
     with DexClient(fast_settings(redis_url, sqlite_url, wait_poll_seconds=0.5)) as client:
         record = client.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1",
                                   tool="lookup_order", arguments={"order_id": "1001"})
-        thread, out = _wait_in_thread(client, record.key)
+        thread, out = wait_in_thread(client, record.key, NO_POLL / 2)
         wait_until(lambda: client.watcher.live, 10, "the watcher to connect")
         # When the call ends with no notification (a store with no hooks: the message lost)
         silent = Store(sqlite_url)
@@ -268,7 +260,7 @@ def test_wait_polls_quickly_while_redis_is_unreachable(sqlite_url: str,
             DexClient(fast_settings(redis_url, sqlite_url)) as writer:
         record = writer.call_tool(session_id="s1", turn_id="t1", tool_call_id="c1",
                                   tool="lookup_order", arguments={"order_id": "1001"})
-        thread, out = _wait_in_thread(waiter, record.key)
+        thread, out = wait_in_thread(waiter, record.key, NO_POLL / 2)
         wait_until(lambda: waiter._watcher is not None and not waiter.watcher.live, 10,
                    "the waiter's watcher to find Redis down")
         # When the call ends
@@ -332,7 +324,7 @@ def test_watcher_recovers_after_redis_restarts(tmp_path: Path) -> None:
                                       tool="refund_payment",
                                       arguments={"charge_id": "ch", "amount_cents": 5},
                                       approval_deadline=0.5)
-            thread, out = _wait_in_thread(client, record.key)
+            thread, out = wait_in_thread(client, record.key, NO_POLL / 2)
             wait_until(lambda: ended_channel(record.key) in watcher._watches, 10, "the watch")
             wait_until(lambda: run_job(runtime, "expire_approvals") == 1, 20, "the deadline")
             thread.join(NO_POLL)

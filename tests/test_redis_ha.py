@@ -220,7 +220,8 @@ def test_tls_redis_for_the_broker_and_the_claims(
 def test_a_waiter_over_tls_is_woken_by_the_announcement_not_by_a_poll(
     tls_redis: tuple[Certificates, int], sqlite_url: str
 ) -> None:
-    from dex_tasks.broker.notify import CallWatcher, ended_channel
+    from dex_tasks.broker.ended import ended_channel
+    from dex_tasks.broker.notify import CallWatcher
     from dex_tasks.broker.redis_clients import connector
 
     # Given a watcher on a TLS Redis (its thread waits on the TLS socket and its own pipe)

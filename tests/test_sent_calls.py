@@ -10,10 +10,8 @@ woken by a notification, never by a poll.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import redis
@@ -21,7 +19,7 @@ import redis
 import workers.example_tools  # noqa: F401 - registers the example tools in this process
 from dex_tasks import AsyncDexClient, CallStatus, DexClient, DexSettings
 from dex_tasks.broker import notify
-from dex_tasks.broker.notify import (
+from dex_tasks.broker.ended import (
     ended_channel,
     parse_session_message,
     session_channel,
@@ -29,7 +27,7 @@ from dex_tasks.broker.notify import (
 )
 from dex_tasks.store import Store
 from tests.conftest import StartWorker, fast_settings
-from tests.helpers import count_reads, wait_until
+from tests.helpers import count_reads, wait_in_thread, wait_until
 
 NO_POLL = 60.0
 WOKEN_WITHIN = 15.0
@@ -45,19 +43,6 @@ def admin(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url)
     yield client
     client.close()
-
-
-def _wait_in_thread(client: DexClient, key: str) -> tuple[threading.Thread, dict[str, Any]]:
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        started = time.monotonic()
-        out["record"] = client.wait(key, timeout=NO_POLL / 2)
-        out["took"] = time.monotonic() - started
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, out
 
 
 def _lookup(client: DexClient, call_id: str, session: str = "s1", sleep: float = 0.0) -> str:
@@ -190,6 +175,26 @@ def test_a_dropped_session_or_call_sends_the_waiter_back_to_the_store(
     assert reads == [key]
 
 
+def test_a_waiter_whose_call_is_dropped_while_it_waits_reads_the_store_at_once(
+    client: DexClient, reads: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a watcher that keeps one sent call, and a waiter of that call while it runs
+    monkeypatch.setattr(notify, "MAX_SENT", 1)
+    waiting = _lookup(client, "waiting", sleep=2.0)
+    thread, out = wait_in_thread(client, waiting, NO_POLL / 2)
+    wait_until(lambda: client.watcher._sent[waiting].watches, WOKEN_WITHIN, "the waiter")
+    # When another call is sent, and the first is dropped from what the watcher keeps
+    _lookup(client, "next")
+    assert waiting not in client.watcher._sent
+    # Then its waiter is woken to read the store (its end would go unheard: no poll for a
+    # minute), and has the call soon after it ends
+    thread.join(WOKEN_WITHIN)
+    assert "error" not in out, out
+    assert out["record"].status is CallStatus.SUCCEEDED
+    assert out["took"] < WOKEN_WITHIN
+    assert waiting in reads
+
+
 def test_an_end_announced_only_on_its_calls_channel_costs_one_poll_interval(
     redis_url: str, sqlite_url: str, start_worker: StartWorker, admin: redis.Redis,
     monkeypatch: pytest.MonkeyPatch,
@@ -201,7 +206,7 @@ def test_an_end_announced_only_on_its_calls_channel_costs_one_poll_interval(
         reads = count_reads(client, monkeypatch)
         # and a sent call that runs for a long time, and its waiter
         key = _lookup(client, "c1", sleep=30.0)
-        thread, out = _wait_in_thread(client, key)
+        thread, out = wait_in_thread(client, key, NO_POLL / 2)
         # When it ends as a worker of a release before session channels announces it: on the
         # call's own channel only (here a bare status, after a write with no hooks)
         silent = Store(sqlite_url)

@@ -1,6 +1,6 @@
 """The keys every process of a store shares (``Store.shared_key``): made once, by whichever
 process asks first, the same for every process after, with no setting; and what the ended
-records' signer does while the store cannot give it one (``notify.RecordSigner``)."""
+records' signer does while the store cannot give it one (``ended.RecordSigner``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import text
 
 from dex_tasks import StoreUnavailableError
-from dex_tasks.broker import notify
+from dex_tasks.broker import ended
 from dex_tasks.store import Store
 from dex_tasks.store.tables import KEYS
 from tests.helpers import open_store, race_in_processes, wait_until
@@ -65,16 +65,16 @@ def test_a_key_is_read_once_per_store(database_url: str) -> None:
 def test_the_signer_does_without_a_key_the_store_cannot_give_and_asks_again_later(
     database_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setattr(notify, "KEY_RETRY_SECONDS", 2.0)
+    monkeypatch.setattr(ended, "KEY_RETRY_SECONDS", 2.0)
     with open_store(database_url) as store:
         # Given a store whose keys cannot be read (a table that is gone stands for a store
         # that does not answer)
         with store.write() as conn:
             conn.execute(text("DROP TABLE dex_keys"))
-        signer = notify.RecordSigner(store)
+        signer = ended.RecordSigner(store)
 
         # When the signer is asked for its serializer
-        with caplog.at_level(logging.WARNING, logger="dex_tasks.broker.notify"):
+        with caplog.at_level(logging.WARNING, logger="dex_tasks.broker.ended"):
             first = signer.serializer()
 
         # Then there is none (announcements carry only the status, waiters read the store),
@@ -84,7 +84,7 @@ def test_the_signer_does_without_a_key_the_store_cannot_give_and_asks_again_late
                   "record_key_unavailable"]
         assert len(warned) == 1 and "dex_keys" in str(getattr(warned[0], "error", ""))
         with pytest.raises(StoreUnavailableError):
-            store.shared_key(notify.RECORD_KEY_NAME)
+            store.shared_key(ended.RECORD_KEY_NAME)
         KEYS.create(store.engine)
         assert signer.serializer() is None
 
@@ -93,5 +93,5 @@ def test_the_signer_does_without_a_key_the_store_cannot_give_and_asks_again_late
         serializer = signer.serializer()
         assert serializer is not None
         made = serializer.dumps({"key": "s/t/c"})
-        checked = notify.record_serializer(store.shared_key(notify.RECORD_KEY_NAME))
+        checked = ended.record_serializer(store.shared_key(ended.RECORD_KEY_NAME))
         assert checked.loads(made) == {"key": "s/t/c"}

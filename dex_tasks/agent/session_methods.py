@@ -23,7 +23,7 @@ from dex_tasks.states import CallStatus
 # dex_tasks.lazy): ``from dex_tasks import DexClient`` stays cheap.
 if TYPE_CHECKING:
     from dex_tasks.agent import approvals, session_views, turns
-    from dex_tasks.broker import metrics, notify
+    from dex_tasks.broker import ended, metrics, notify
     from dex_tasks.broker.redis_clients import connector
     from dex_tasks.store import transcript
     from dex_tasks.store.models import ToolCallRow
@@ -32,7 +32,7 @@ else:
     _deferred = Deferred(globals())
     approvals, session_views, turns = _deferred("dex_tasks.agent", "approvals", "session_views",
                                                   "turns")
-    metrics, notify = _deferred("dex_tasks.broker", "metrics", "notify")
+    ended, metrics, notify = _deferred("dex_tasks.broker", "ended", "metrics", "notify")
     connector = _deferred("dex_tasks.broker.redis_clients", "connector")
     transcript = _deferred("dex_tasks.store", "transcript")
     ToolCallRow = _deferred("dex_tasks.store.models", "ToolCallRow")
@@ -53,7 +53,7 @@ class SessionMethods:
     settings: hints.DexSettings
     _watcher: hints.CallWatcher | None = None
     # Checks the ended records notifications hand to ``wait`` (made on the first wake-up).
-    _signer: notify.RecordSigner | None = None
+    _signer: ended.RecordSigner | None = None
 
     @property
     def app(self) -> hints.Celery:
@@ -71,8 +71,8 @@ class SessionMethods:
         """The ended record the notification that woke ``watch`` carried (signed with the
         store's key, checked here), or None: then the store is read."""
         if self._signer is None:
-            self._signer = notify.RecordSigner(self.store)
-        record = notify.ended_record(watch.message, self._signer.serializer(), key)
+            self._signer = ended.RecordSigner(self.store)
+        record = ended.ended_record(watch.message, self._signer.serializer(), key)
         if record is None:
             return None
         handed = ToolCallRecord.from_mapping(record)

@@ -4,15 +4,16 @@ Redis, after the commit that ended it, and counts it for ``/metrics``.
 :class:`EndedNotifier` runs after every commit that ended calls, whoever committed it: a
 worker finishing a tool, the main process recording a lost child, a sweep reaping, expiring or
 failing calls, a client rejecting one or ending it "did not run". In one Redis round trip it
-publishes each call's new status on its channel (``notify.ended_channel``) and its
-session's (``notify.session_channel``), counts the call
+publishes each call's new status on its channel (``ended.ended_channel``) and its
+session's (``ended.session_channel``), counts the call
 (:func:`metrics.ended_counts`), cuts the claim of an ended single-attempt call and drops the
 run of an ended retrying one, in one command (:data:`ANNOUNCE_SCRIPT`) for the one call a
 worker ends at a time. Wired by :func:`install` wherever a store that ends calls is built
 (``execution.Runtime``, ``DexClient``). Redis being down never fails or holds up the
 transition: the hook logs once, stays quiet for a second, and waiters fall back to polling.
 
-The waiting side, and the format of a message, are in ``notify.py``.
+The waiting side is in ``notify.py``; the format of a message, and its signed record, in
+``ended.py``.
 """
 
 from __future__ import annotations
@@ -27,9 +28,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from dex_tasks.broker.metrics import ENDED_KEY, count_ended, ended_counts
-from dex_tasks.broker.notify import (
-    REDIS_TIMEOUT_SECONDS,
+from dex_tasks.broker.ended import (
     Connect,
     RecordSigner,
     ended_channel,
@@ -38,6 +37,7 @@ from dex_tasks.broker.notify import (
     session_channel,
     session_message,
 )
+from dex_tasks.broker.metrics import ENDED_KEY, count_ended, ended_counts
 from dex_tasks.broker.redis_clients import CommandArg, pack_command, send_script
 from dex_tasks.broker.routing import CLAIM_KEY
 from dex_tasks.broker.runs import RUNS_KEY, attempts_key, run_key
@@ -47,6 +47,10 @@ if TYPE_CHECKING:
     from dex_tasks.store import EndedCall, Store
 
 log = logging.getLogger("dex_tasks.broker.announce")
+
+REDIS_TIMEOUT_SECONDS = 1.0
+"""Connect and reply timeout of the notifier's Redis client: a dead Redis delays a commit's
+hooks by at most this much, once per quiet period."""
 
 QUIET_AFTER_ERROR_SECONDS = 1.0
 """How long a notifier that could not reach Redis stays quiet before it tries again."""
@@ -270,7 +274,7 @@ class EndedNotifier:
 def install(store: Store, redis_url: str, connect: Connect | None = None, *,
             claim_ended_ttl: int = 60) -> EndedNotifier:
     """Make every call ``store`` ends announced on the Redis at ``redis_url`` (and counted),
-    with its ended record signed with the store's shared key (``notify.RecordSigner``);
+    with its ended record signed with the store's shared key (``ended.RecordSigner``);
     returns the store's notifier (the one already installed for that Redis, if any).
     ``connect`` makes its Redis clients (default: :func:`redis_connector` of the URL);
     ``claim_ended_ttl`` is what is left of an ended single-attempt call's claim

@@ -1,12 +1,13 @@
 """Notifications when calls end: waiters wake at once instead of polling the store.
 
-Two sides, both on Redis pub/sub, one channel per call (``dex:ended:<key>``):
+Two sides, both on Redis pub/sub, one channel per call (``dex:ended:<key>``); what a message
+says, and how its record is signed, is in ``ended.py``:
 
 * **Sending** (``announce.EndedNotifier``, in ``announce.py``): a hook on the store
   (``Store.on_calls_ended``) that, after every commit that ended calls, publishes each call's
   new status on its channel, with the ended row signed with the store's shared key
-  (:func:`ended_message`, :class:`RecordSigner`).
-* **Waiting** (:class:`CallWatcher`): one pub/sub connection per client, read by a
+  (``ended.ended_message``, ``ended.RecordSigner``).
+* **Waiting** (:class:`CallWatcher`, this module): one pub/sub connection per client, read by a
   background thread, shared by every ``wait`` of the client (sync and async). A
   waiter reads the store, subscribes to its call's channel and reads the store again on every
   wake-up (when its subscription is confirmed, when the connection is lost, and every
@@ -17,7 +18,7 @@ Two sides, both on Redis pub/sub, one channel per call (``dex:ended:<key>``):
   never a wrong answer.
 
 The end of each call is announced on its session's channel too (``dex:ended:session:<id>``,
-:func:`session_message`): a client that listens on a session before it records a call there
+``ended.session_message``): a client that listens on a session before it records a call there
 is sure to hear that call's end, so its ``wait`` reads nothing at all (see
 :class:`CallWatcher`).
 
@@ -41,30 +42,23 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import redis
-from itsdangerous import BadData, Serializer, Signer
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from dex_tasks.errors import DexError
-
-if TYPE_CHECKING:
-    from dex_tasks.store import EndedCall, Store
+from dex_tasks.broker.ended import (
+    CHANNEL_PREFIX,
+    SESSION_CHANNEL_PREFIX,
+    Connect,
+    ended_channel,
+    parse_session_message,
+    session_channel,
+)
 
 log = logging.getLogger("dex_tasks.broker.notify")
-
-CHANNEL_PREFIX = "dex:ended:"
-"""Prefix of the pub/sub channel of one call: ``dex:ended:<idempotency key>``."""
-
-REDIS_TIMEOUT_SECONDS = 1.0
-"""Connect and reply timeout of the notifier's Redis client (``announce.py``): a dead Redis
-delays a commit's hooks by at most this much, once per quiet period."""
-
-Connect = Callable[[float], redis.Redis]
-"""Makes a Redis client whose socket and connect timeouts are the given seconds."""
 
 # The watcher's connection: its reply timeout, how long its thread waits at most for Redis or
 # a waiter before it looks at the time, how long it may hear nothing before it pings, and how
@@ -89,169 +83,6 @@ MAX_KEPT_CHARS = 8_000_000
 """The most characters of kept ends one watcher holds (a record may be up to
 :data:`MAX_RECORD_CHARS`); the oldest sent calls are dropped beyond it."""
 
-
-def ended_channel(key: str) -> str:
-    """The pub/sub channel the end of call ``key`` is announced on."""
-    return CHANNEL_PREFIX + key
-
-
-SESSION_CHANNEL_PREFIX = CHANNEL_PREFIX + "session:"
-"""Prefix of the pub/sub channel where the ends of a session's calls are announced as well:
-``dex:ended:session:<session id>``. A session id holds no ``/`` and a key always does, so no
-call's channel is ever a session's; and it sits under :data:`CHANNEL_PREFIX`, so whatever
-lets a process use the calls' channels (an ACL's channel pattern) lets it use these."""
-
-
-def session_channel(session_id: str) -> str:
-    """The pub/sub channel the ends of session ``session_id``'s calls are announced on."""
-    return SESSION_CHANNEL_PREFIX + session_id
-
-
-def session_message(key: str, message: str) -> str:
-    """What the end of call ``key`` publishes on its session's channel: the key, prefixed by
-    its length (an id may hold spaces and colons), then what the call's own channel says
-    (:func:`ended_message`)."""
-    return f"{len(key)}:{key}{message}"
-
-
-def parse_session_message(data: str | bytes) -> tuple[str, str] | None:
-    """``(key, message)`` of a :func:`session_message`, or None if it is not one."""
-    if isinstance(data, bytes):
-        data = data.decode("utf-8", "surrogateescape")
-    length, colon, rest = data.partition(":")
-    if not colon or not length.isdigit() or int(length) > len(rest):
-        return None
-    size = int(length)
-    return rest[:size], rest[size:]
-
-
-RECORD_SALT = "dex-tasks.ended-record"
-"""Salt of the signature of an ended record handed to waiters (apart from the tokens')."""
-
-RECORD_KEY_NAME = "ended-records"
-"""The store's shared key (``Store.shared_key``) ended records are signed with."""
-
-KEY_RETRY_SECONDS = 30.0
-"""How long a process whose store could not give it the key goes without signing or
-believing records before it asks again."""
-
-MAX_RECORD_CHARS = 32_000
-"""An ended record longer than this (a large result) is not sent: its waiters read the
-store."""
-
-
-def record_serializer(key: str) -> Serializer[str]:
-    """How ended records are signed and checked with ``key``: itsdangerous' ``Serializer``
-    with its salt :data:`RECORD_SALT`, whose output (and what it accepts) is exactly that of
-    ``Serializer(key, salt=RECORD_SALT)``, made cheaper to sign with (see
-    :class:`_RecordSerializer`)."""
-    return _RecordSerializer(key)
-
-
-class _KeyedSigner(Signer):
-    """itsdangerous' ``Signer``, whose signing key is derived once, not for every signature
-    (a SHA1 of the salt and the secret each time)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._derived = super().derive_key()
-
-    def derive_key(self, secret_key: str | bytes | None = None) -> bytes:
-        # Only the signing key (None: the newest secret) is kept: a check derives the key of
-        # each secret it tries by name, as itsdangerous does.
-        return self._derived if secret_key is None else super().derive_key(secret_key)
-
-
-class _RecordSerializer(Serializer[str]):
-    """itsdangerous' ``Serializer`` that makes its ``Signer`` once, instead of for every
-    record it signs or checks: a worker child signs the record of every call it ends, and
-    making the signer (and deriving its key, :class:`_KeyedSigner`) was about a fifth of the
-    signing's CPU, more beside the announcement's round trip (issue 29)."""
-
-    def __init__(self, key: str) -> None:
-        super().__init__(key, salt=RECORD_SALT, signer=_KeyedSigner)
-        # (A signer keeps nothing of what it signs: one serves every thread.)
-        self._signer = super().make_signer()
-
-    def make_signer(self, salt: str | bytes | None = None) -> Signer:
-        return self._signer if salt is None else super().make_signer(salt)
-
-
-class RecordSigner:
-    """Signs and checks ended records with the key every process of a store shares
-    (``Store.shared_key(RECORD_KEY_NAME)``, read on first use), so they need no setting: a
-    producer, its workers and beat find the same key in the store they share, and someone
-    who can publish on Redis but not read the store cannot make a record a waiter believes.
-
-    While the store cannot give the key (unreachable, or a schema from before it had keys)
-    there is no signer: announcements carry only the status and waiters read the store, as
-    they do for a lost notification; the key is asked for again after
-    :data:`KEY_RETRY_SECONDS`."""
-
-    def __init__(self, store: Store) -> None:
-        self._store = store
-        self._serializer: Serializer[str] | None = None
-        self._retry_at = 0.0
-        self._lock = threading.Lock()
-
-    def serializer(self) -> Serializer[str] | None:
-        """The serializer, or None while the key cannot be read."""
-        if self._serializer is None and time.monotonic() >= self._retry_at:
-            with self._lock:
-                if self._serializer is None and time.monotonic() >= self._retry_at:
-                    try:
-                        self._serializer = record_serializer(
-                            self._store.shared_key(RECORD_KEY_NAME))
-                    except DexError as err:
-                        self._retry_at = time.monotonic() + KEY_RETRY_SECONDS
-                        log.warning("the store's key for ended records cannot be read; "
-                                    "waiters read the store until it can", extra={
-                                        "action": "record_key_unavailable", "error": str(err)})
-        return self._serializer
-
-
-def ended_message(call: EndedCall, signer: Serializer[str] | None) -> str:
-    """What the end of ``call`` publishes on its channel: its status, then (after a space)
-    the ended row, signed, which its waiters take instead of reading the store; or only the
-    status (no signer, a row the ending did not return, or one too large), which makes them
-    read it."""
-    if signer is None or call.record is None:
-        return call.status.value
-    text = f"{call.status.value} {signer.dumps(call.record)}"
-    return text if len(text) <= MAX_RECORD_CHARS else call.status.value
-
-
-def message_status(message: str | bytes) -> str:
-    """The status an end notification announces (its first word)."""
-    if isinstance(message, bytes):
-        message = message.decode("utf-8", "surrogateescape")
-    return message.split(" ", 1)[0]
-
-
-def ended_record(message: str | bytes | None, signer: Serializer[str] | None,
-                 key: str) -> dict[str, Any] | None:
-    """The ended row of call ``key`` a notification carried, if it is one, signed with the
-    store's key, for that call and terminal; None otherwise (read the store). Redis is not
-    trusted with a call's outcome: a message anyone could publish is checked first."""
-    if signer is None or message is None:
-        return None
-    if isinstance(message, bytes):
-        message = message.decode("utf-8", "surrogateescape")
-    _, _, signed = message.partition(" ")
-    if not signed:
-        return None  # a bare status
-    try:
-        record = signer.loads(signed)
-    except (BadData, ValueError):
-        log.warning("a call's end notification failed its signature check; reading the store",
-                    extra={"action": "ended_record_refused"})
-        return None
-    if not isinstance(record, dict) or record.get("key") != key:
-        return None
-    return record
-
-
-# -- waiting ------------------------------------------------------------------------------------
 
 
 class Watch:
@@ -319,6 +150,9 @@ class _Sent:
     confirmed: int
     # What the session's channel said of the call's end, once it has.
     message: str | None = None
+    # Its waiters (``watch_sent``): never subscribed to the call's channel, woken by what its
+    # session's channel says, or when that cannot be relied on any longer.
+    watches: list[Watch] = field(default_factory=list)
 
 
 class CallWatcher:
@@ -372,8 +206,6 @@ class CallWatcher:
         # the characters of the ends kept for them.
         self._sent: OrderedDict[str, _Sent] = OrderedDict()
         self._kept_chars = 0
-        # The watches of sent calls, by their call's channel (never subscribed themselves).
-        self._local: dict[str, list[Watch]] = {}
 
     @property
     def live(self) -> bool:
@@ -427,11 +259,10 @@ class CallWatcher:
                 self._requests.append(("unsubscribe", session_channel(old)))
                 dropped.add(old)
             # The waiters of calls sent in a dropped session read the store instead.
-            orphaned = [ended_channel(k) for k, s in self._sent.items()
-                        if s.session_id in dropped] if dropped else []
+            orphaned = self._sent_in(dropped) if dropped else []
         self._poke()
-        for waiting in orphaned:
-            self._wake(waiting)
+        for watch in orphaned:
+            watch.wake()
         return None
 
     def sent(self, key: str, session_id: str, confirmed: int | None) -> None:
@@ -442,9 +273,11 @@ class CallWatcher:
         if confirmed is None:
             return
         with self._lock:
-            self._forget(key)
+            orphaned = self._forget(key)
             self._sent[key] = _Sent(session_id, confirmed)
-            self._trim()
+            orphaned += self._trim()
+        for watch in orphaned:
+            watch.wake()
 
     def watch_sent(self, key: str,
                    on_wake: Callable[[], None] | None = None) -> Watch | None:
@@ -454,18 +287,17 @@ class CallWatcher:
         already; else it is woken with it. None if that does not hold (read the store)."""
         if self._pid != os.getpid():
             return None
-        channel = ended_channel(key)
         with self._lock:
             sent = self._sent.get(key)
-            if sent is None:
-                return None
-            if not self._covering(sent):
-                self._forget(key)
-                return None
-            watch = Watch(self, channel, on_wake, sent=True)
-            watch.message = sent.message
-            self._local.setdefault(channel, []).append(watch)
-        return watch
+            if sent is not None and self._covering(sent):
+                watch = Watch(self, ended_channel(key), on_wake, sent=True)
+                watch.message = sent.message
+                sent.watches.append(watch)
+                return watch
+            orphaned = self._forget(key)
+        for other in orphaned:
+            other.wake()
+        return None
 
     def covers(self, watch: Watch) -> bool:
         """Whether the end of ``watch``'s sent call still cannot be missed."""
@@ -473,17 +305,29 @@ class CallWatcher:
             sent = self._sent.get(watch.channel.removeprefix(CHANNEL_PREFIX))
             return watch.sent and sent is not None and self._covering(sent)
 
-    def _forget(self, key: str) -> None:
-        # Under self._lock.
+    def _forget(self, key: str) -> list[Watch]:
+        """Drop sent call ``key`` (under self._lock); its waiters, which the caller wakes once
+        it has let the lock go: they find themselves no longer covered and read the store."""
         sent = self._sent.pop(key, None)
-        if sent is not None and sent.message is not None:
+        if sent is None:
+            return []
+        if sent.message is not None:
             self._kept_chars -= len(sent.message)
+        return sent.watches
 
-    def _trim(self) -> None:
-        # Under self._lock: the oldest sent calls go beyond the bounds.
+    def _trim(self) -> list[Watch]:
+        """Drop the oldest sent calls beyond the bounds (under self._lock); their waiters, to
+        wake (see :meth:`_forget`)."""
+        orphaned: list[Watch] = []
         while self._sent and (len(self._sent) > MAX_SENT
                               or self._kept_chars > MAX_KEPT_CHARS):
-            self._forget(next(iter(self._sent)))
+            orphaned += self._forget(next(iter(self._sent)))
+        return orphaned
+
+    def _sent_in(self, sessions: set[str]) -> list[Watch]:
+        # Under self._lock: the waiters of the calls sent in ``sessions``.
+        return [w for sent in self._sent.values() if sent.session_id in sessions
+                for w in sent.watches]
 
     def _covering(self, sent: _Sent) -> bool:
         # Under self._lock. A confirmation is never given twice, so a session dropped or a
@@ -494,14 +338,13 @@ class CallWatcher:
         """Forget ``watch``; unsubscribe its channel if no other watch needs it. (Nothing waits
         for that: the thread sends it with its next command, or within a second.)"""
         if watch.sent:
+            key = watch.channel.removeprefix(CHANNEL_PREFIX)
             with self._lock:
-                local = self._local.get(watch.channel, [])
-                if watch in local:
-                    local.remove(watch)
-                if not local:
-                    self._local.pop(watch.channel, None)
-                    # Waited for: its end is not kept any longer.
-                    self._forget(watch.channel.removeprefix(CHANNEL_PREFIX))
+                sent = self._sent.get(key)
+                if sent is not None and watch in sent.watches:
+                    sent.watches.remove(watch)
+                    if not sent.watches:
+                        self._forget(key)  # waited for: its end is not kept any longer
             return
         with self._lock:
             watches = self._watches.get(watch.channel)
@@ -555,10 +398,13 @@ class CallWatcher:
     def _wake(self, channel: str | None, message: str | bytes | None = None) -> None:
         with self._lock:
             if channel is None:
-                watches = [w for ws in (*self._watches.values(), *self._local.values())
-                           for w in ws]
+                watches = [w for ws in self._watches.values() for w in ws]
+                watches += [w for sent in self._sent.values() for w in sent.watches]
             else:
-                watches = [*self._watches.get(channel, ()), *self._local.get(channel, ())]
+                watches = list(self._watches.get(channel, ()))
+                sent = self._sent.get(channel.removeprefix(CHANNEL_PREFIX))
+                if sent is not None:
+                    watches += sent.watches
         for watch in watches:
             watch.wake(message)
 
@@ -576,8 +422,12 @@ class CallWatcher:
                     return  # a call this client did not send, or one waited for already
                 sent.message = message
                 self._kept_chars += len(message)
-                self._trim()
-            self._wake(ended_channel(key), message)
+                woken = list(sent.watches)
+                orphaned = self._trim()
+            for watch in woken:
+                watch.wake(message)
+            for watch in orphaned:
+                watch.wake()
             return
         with self._lock:
             if session_id not in self._sessions:
@@ -588,10 +438,9 @@ class CallWatcher:
             # Unsubscribed (dropped, perhaps to be listened on again): what was sent under
             # its confirmation may have ended unheard. Those waiters read the store.
             self._sessions[session_id] = None
-            channels = [ended_channel(k) for k, s in self._sent.items()
-                        if s.session_id == session_id]
-        for channel in channels:
-            self._wake(channel)
+            orphaned = self._sent_in({session_id})
+        for watch in orphaned:
+            watch.wake()
 
     # -- the watcher's thread -------------------------------------------------------------------
 
@@ -701,14 +550,3 @@ class CallWatcher:
             if i + 1 == len(batch) or batch[i + 1][0] != kind:
                 (pubsub.subscribe if kind == "subscribe" else pubsub.unsubscribe)(*run)
                 run = []
-
-
-def redis_connector(redis_url: str) -> Connect:
-    """How notify's clients reach Redis: ``connect(timeout)`` makes a client of ``redis_url``
-    with that socket and connect timeout."""
-
-    def connect(timeout: float) -> redis.Redis:
-        return redis.Redis.from_url(redis_url, socket_timeout=timeout,
-                                    socket_connect_timeout=timeout)
-
-    return connect

@@ -29,8 +29,8 @@ from urllib.parse import unquote, urlsplit
 
 import redis
 
+from dex_tasks.broker.ended import CHANNEL_PREFIX
 from dex_tasks.broker.metrics import ENDED_KEY, SWEEP_STATS_KEY
-from dex_tasks.broker.notify import CHANNEL_PREFIX
 from dex_tasks.broker.redis_clients import redis_client, safe_url
 from dex_tasks.broker.routing import HELD_KEY, UNACKED_KEY, WORKER_KEY, queue_for
 from dex_tasks.errors import BrokerRefusedError

@@ -64,7 +64,7 @@ class EndedCall:
     finished_at: float
     record: dict[str, Any] | None = None
     """The ended row (every column), when the statement that ended it returned it: what the
-    notification that wakes its waiters hands them (``broker/notify.py``)."""
+    notification that wakes its waiters hands them (``broker/ended.py``)."""
 
 
 EndedHook = Callable[[Sequence[EndedCall]], None]

@@ -4,7 +4,7 @@ The store is what every process of a deployment already shares and trusts: a pro
 workers, beat and the API all read the same database, and only they can. A key kept there
 needs no configuration and no distribution, and a process that cannot read the store cannot
 learn it, which is what signing something that travels through Redis asks for (the ended
-records handed to waiters, ``broker/notify.py``).
+records handed to waiters, ``broker/ended.py``).
 """
 
 from __future__ import annotations
