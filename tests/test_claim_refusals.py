@@ -4,7 +4,7 @@ attempt left) is moved back afterwards", so a worker killed in between would lea
 started.
 
 Refuted, on both stores: the claim's own statement refuses such a call (its WHERE holds the
-expiry and the attempts, ``store.transitions.CLAIMABLE``). Nothing is committed as running, the
+expiry and the attempts, ``store.moves.CLAIMABLE``). Nothing is committed as running, the
 checks that need the row never run, and at the moment the claim returns, the moment a worker
 killed in between would leave behind, the call is still queued and untouched, with no started
 event. The worker's delivery then ends it "did not run" (or as its attempts ran out) from

@@ -24,8 +24,9 @@ from dex_tasks import (
     registry,
 )
 from dex_tasks.store import Store
+from dex_tasks.store.moves import single_statement
 from dex_tasks.store.sqljson import JsonText, canonical_text, same_json, storable_json
-from dex_tasks.store.transitions import Started, single_statement
+from dex_tasks.store.transitions import Started
 from tests.conftest import StartWorker, fast_settings
 
 

@@ -2,9 +2,10 @@
 queries, one module per role:
 
 * ``tables.py`` the tables as Core and the statements built once; ``base.py`` connections,
-  transactions, retries and the post-commit hooks; ``transitions.py`` the guarded moves;
-  ``leases.py`` the claim, leases and the reads of lost work; ``calls.py`` inserts and reads;
-  ``delivery.py`` queued user messages; ``keys.py`` the keys its processes share;
+  transactions, retries and the post-commit hooks; ``transitions.py`` the guarded moves and
+  ``moves.py`` their SQL; ``leases.py`` the claim, leases and the reads of lost work;
+  ``calls.py`` inserts and reads; ``delivery.py`` queued user messages; ``keys.py`` the keys
+  its processes share;
   ``deadlines.py``, ``prune.py``, ``transcript.py``, ``catalog.py`` what the sweeps and
   clients build on them.
 

@@ -16,7 +16,7 @@ runs, so there is one definition of each. A ``sqlite3`` error is raised as SQLAl
 ``DBAPIError`` subclass for it, as ``Connection.execute`` would raise it, so the retries
 (``connections.retryable``) and the ``IntegrityError`` of a taken key behave as before.
 
-PostgreSQL runs its hot path as one statement each (``transitions.single_statement``), and
+PostgreSQL runs its hot path as one statement each (``moves.single_statement``), and
 :func:`run` sends those on psycopg's connection the same way (:func:`_run_server`): there
 SQLAlchemy's execution cost a worker child more CPU than the rest of a call's Python, mostly
 in describing each whole-row result's columns (issue 29).

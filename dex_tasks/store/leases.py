@@ -26,6 +26,7 @@ from dex_tasks.store import driver
 from dex_tasks.store.calls import UNSENT_GRACE_SECONDS
 from dex_tasks.store.connections import store_now
 from dex_tasks.store.models import ToolCallRow
+from dex_tasks.store.moves import CLAIMABLE, single_statement
 from dex_tasks.store.tables import (
     CALLS,
     INSERT_EVENT,
@@ -33,7 +34,7 @@ from dex_tasks.store.tables import (
     readable_calls,
     status_by_key,
 )
-from dex_tasks.store.transitions import CLAIMABLE, Transitions, single_statement
+from dex_tasks.store.transitions import Transitions
 
 V = TypeVar("V")
 log = logging.getLogger("dex_tasks.store")
@@ -179,7 +180,7 @@ class Leases(Transitions):
         """queued -> running for ``owner``, in one statement that returns the whole row.
 
         ``None`` when the call is not queued (a duplicate delivery, a call that ended, or no
-        such call), or is queued but cannot be claimed (``transitions.CLAIMABLE``: it expired
+        such call), or is queued but cannot be claimed (``moves.CLAIMABLE``: it expired
         in the queue by ``now``, or has no attempt left), which its caller tells apart by
         reading it. The row's ``attempts`` counts the attempt this claim starts, and its lease
         runs ``lease_seconds`` on the store's clock. ``vet(row)`` runs inside the transaction
@@ -209,7 +210,7 @@ class Leases(Transitions):
     def _claim_single(self, key: str, owner: str, lease_seconds: float,
                       vet: Callable[[Any], V], now: float) -> tuple[Any, V] | None:
         """PostgreSQL's claim: the guarded move to ``running`` and its event as one statement
-        in autocommit (``transitions.single_statement``), then ``vet`` on the row it
+        in autocommit (``moves.single_statement``), then ``vet`` on the row it
         returned. The claim has committed by then, so a call ``vet`` refuses is moved back to
         ``queued`` as it was (its attempt uncounted, no owner, no lease), guarded on this
         claim's owner and attempt, before what ``vet`` raised propagates: the caller sees it

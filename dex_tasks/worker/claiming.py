@@ -47,7 +47,7 @@ def claim(rt: Runtime, key: str, owner: str) -> Claimed | Outcome | None:
 
     One statement on the common path, and no read before it: the claim's UPDATE returns the
     whole call. A call that expired in the queue or has no attempt left is not claimed at all
-    (the claim's own guards, ``store.transitions.CLAIMABLE``): the claim returns nothing, and
+    (the claim's own guards, ``store.moves.CLAIMABLE``): the claim returns nothing, and
     the call, read then, is ended "did not run" (or as if its attempts ran out) in a move of
     its own, guarded on its still being queued. The checks that need this worker (the tool is
     here, the arguments are valid for it) run on the row the claim returned; a call they
