@@ -195,6 +195,26 @@ def test_a_waiter_whose_call_is_dropped_while_it_waits_reads_the_store_at_once(
     assert waiting in reads
 
 
+def test_a_waiter_is_covered_only_while_its_call_is_kept_for_it(
+    client: DexClient, reads: list[str]
+) -> None:
+    # Given a sent call's waiter, covered while the call is kept under its confirmation
+    watcher = client.watcher
+    confirmed = watcher.sending("s1")
+    assert confirmed is not None
+    watcher.sent("s1/t9/c9", "s1", confirmed)
+    watch = watcher.watch_sent("s1/t9/c9")
+    assert watch is not None and watch.covered
+    # When the same key is recorded as sent again, the entry its waiter was held on is gone
+    watcher.sent("s1/t9/c9", "s1", confirmed)
+    # Then that waiter is no longer covered (it reads the store), and a new one is
+    assert not watch.covered
+    again = watcher.watch_sent("s1/t9/c9")
+    assert again is not None and again.covered
+    again.close()
+    watch.close()
+
+
 def test_an_end_announced_only_on_its_calls_channel_costs_one_poll_interval(
     redis_url: str, sqlite_url: str, start_worker: StartWorker, admin: redis.Redis,
     monkeypatch: pytest.MonkeyPatch,

@@ -300,10 +300,13 @@ class CallWatcher:
         return None
 
     def covers(self, watch: Watch) -> bool:
-        """Whether the end of ``watch``'s sent call still cannot be missed."""
+        """Whether the end of ``watch``'s sent call still cannot be missed: the call is still
+        kept, with this watch among its waiters (one dropped is not, even if the same key was
+        sent again since), under the confirmation it was sent under."""
         with self._lock:
             sent = self._sent.get(watch.channel.removeprefix(CHANNEL_PREFIX))
-            return watch.sent and sent is not None and self._covering(sent)
+            return (watch.sent and sent is not None and watch in sent.watches
+                    and self._covering(sent))
 
     def _forget(self, key: str) -> list[Watch]:
         """Drop sent call ``key`` (under self._lock); its waiters, which the caller wakes once
