@@ -23,7 +23,7 @@ from workers import example_tools, ledger
 
 assert example_tools.charge_card.name == "charge_card"
 
-ENDED_TTL = 2
+ENDED_TTL = 1
 CHARGES = 12
 
 

@@ -107,7 +107,7 @@ class TestWithDefaultSettings:
 
 
 class TestWithALongBackoffCap:
-    """A retry that waits out a 30 s countdown: the backoff cap must allow it (issue 11 item 9
+    """A retry that waits out a 12 s countdown: the backoff cap must allow it (issue 11 item 9
     cuts a tool's retry_after to the cap, 0.2 s in the fast test settings)."""
 
     @pytest.fixture
@@ -118,11 +118,12 @@ class TestWithALongBackoffCap:
         self, client: DexClient, start_worker: StartWorker, rt: Runtime, redis_url: str,
         ledger_path: Path,
     ) -> None:
-        # Given a live worker holding a retry that waits out a 30 s countdown
+        # Given a live worker holding a retry that waits out a 12 s countdown (long enough to
+        # be still held when the sweep below runs; asserted there)
         worker = start_worker(concurrency=1, tools=TOOLS, serve="slow_retry_read")
         held = client.call_tool(session_id="s", turn_id="t", tool_call_id="held",
                                 tool="slow_retry_read",
-                                arguments={"order_id": "1", "retry_after": 30})
+                                arguments={"order_id": "1", "retry_after": 12})
         wait_until(lambda: client.get_tool_call(held.key).attempts == 1
                    and client.get_tool_call(held.key).status is CallStatus.QUEUED, 30,
                    "the retry to be scheduled")
@@ -130,6 +131,7 @@ class TestWithALongBackoffCap:
         wait_until(lambda: worker.log().count("[slow_retry_read]") >= 3
                    and held_tags(rt.redis) == {t.decode() for t in rt.redis.hkeys("unacked")}
                    and len(held_tags(rt.redis)) == 1, 30, "the worker to announce the retry")
+        [held_tag] = held_tags(rt.redis)
         with Connection(redis_url) as conn:
             # ...a message of another app, received and not acked by a consumer of its own...
             other = conn.SimpleQueue("other.app.queue")
@@ -148,6 +150,9 @@ class TestWithALongBackoffCap:
 
             # Then only the dead consumer's message went back to its queue, and it runs
             assert restored == 1
+            # (the live worker's retry was still waiting out its countdown when the sweep ran)
+            assert rt.redis.hexists("unacked", held_tag)
+            assert client.get_tool_call(held.key).attempts == 1
             assert rt.redis.llen(queue_for("stall_first_attempt")) == 1
             start_worker(concurrency=1, tools=TOOLS, serve="stall_first_attempt")
             assert client.wait(lost.key, 30).status is CallStatus.SUCCEEDED

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from dex_tasks import CallStatus, DexClient
+from dex_tasks import CallStatus, DexClient, DexSettings
 from dex_tasks.broker.routing import live_workers
 from dex_tasks.ops.worker_options import (
     REFUSED,
@@ -23,7 +23,7 @@ from dex_tasks.ops.worker_options import (
 )
 from dex_tasks.worker.execution import Runtime
 from dex_tasks.worker.sweeps import run_job
-from tests.conftest import StartWorker
+from tests.conftest import StartWorker, fast_settings
 from tests.helpers import pid_alive, started_pid, wait_until
 from tests.test_cli import run_dex
 from workers import ledger
@@ -157,37 +157,45 @@ def test_an_autoscaled_worker_grows_runs_each_call_once_and_announces_its_maximu
     assert len({entry["pid"] for entry in ledger.read(ledger_path)}) > 1
 
 
-def test_messages_a_prefetching_worker_held_when_it_died_run_once_elsewhere(
-    client: DexClient, start_worker: StartWorker, ledger_path: Path, rt: Runtime,
-) -> None:
-    # Given a one-slot worker that reserves four messages per slot, busy with a long charge
-    doomed = start_worker(concurrency=1, args=["--prefetch-multiplier", "4"])
-    records = [client.call_tool(session_id="s", turn_id="t", tool_call_id=f"c{i}",
-                                tool="charge_card",
-                                arguments={"customer_id": "cu", "amount_cents": i + 1,
-                                           "sleep": 60 if i == 0 else 0})
-               for i in range(4)]
-    running = started_pid(ledger_path, records[0].key)
-    unacked = client_redis(client)
-    wait_until(lambda: unacked.hlen("unacked") >= 3, 20,
-               "the worker to reserve messages ahead of its busy slot")
+class TestWithQuickHeartbeats:
+    """Heartbeats every 0.5 s: a dead worker's announcement, and with it its claim on the
+    messages it held, lapses within 3 s instead of 10 s (the lease is the fast settings' 3 s)."""
 
-    # When the whole worker dies
-    doomed.kill_all()
-    wait_until(lambda: not pid_alive(running), 10, "the child to die")
+    @pytest.fixture
+    def settings(self, redis_url: str, sqlite_url: str) -> DexSettings:
+        return fast_settings(redis_url, sqlite_url, worker_heartbeat_seconds=0.5)
 
-    # Then another worker runs each reserved call once, once beat hands the messages back,
-    # and the charge that was running ends outcome_unknown (never run again)
-    start_worker(concurrency=2)
+    def test_messages_a_prefetching_worker_held_when_it_died_run_once_elsewhere(
+        self, client: DexClient, start_worker: StartWorker, ledger_path: Path, rt: Runtime,
+    ) -> None:
+        # Given a one-slot worker that reserves four messages per slot, busy with a long charge
+        doomed = start_worker(concurrency=1, args=["--prefetch-multiplier", "4"])
+        records = [client.call_tool(session_id="s", turn_id="t", tool_call_id=f"c{i}",
+                                    tool="charge_card",
+                                    arguments={"customer_id": "cu", "amount_cents": i + 1,
+                                               "sleep": 60 if i == 0 else 0})
+                   for i in range(4)]
+        running = started_pid(ledger_path, records[0].key)
+        unacked = client_redis(client)
+        wait_until(lambda: unacked.hlen("unacked") >= 3, 20,
+                   "the worker to reserve messages ahead of its busy slot")
 
-    def all_ended() -> bool:
-        for job in ("reap_expired_leases", "restore_orphaned_messages"):
-            run_job(rt, job)
-        return all(client.get_tool_call(r.key).status.terminal for r in records)
+        # When the whole worker dies
+        doomed.kill_all()
+        wait_until(lambda: not pid_alive(running), 10, "the child to die")
 
-    wait_until(all_ended, 90, "every call to end")
-    statuses = [client.get_tool_call(r.key).status for r in records]
-    assert statuses == [CallStatus.OUTCOME_UNKNOWN] + [CallStatus.SUCCEEDED] * 3
-    runs = ledger.executions(ledger_path)
-    assert all(runs[r.key] == 1 for r in records)
-    assert doomed.proc.returncode == -signal.SIGKILL
+        # Then another worker runs each reserved call once, once beat hands the messages back,
+        # and the charge that was running ends outcome_unknown (never run again)
+        start_worker(concurrency=2)
+
+        def all_ended() -> bool:
+            for job in ("reap_expired_leases", "restore_orphaned_messages"):
+                run_job(rt, job)
+            return all(client.get_tool_call(r.key).status.terminal for r in records)
+
+        wait_until(all_ended, 90, "every call to end")
+        statuses = [client.get_tool_call(r.key).status for r in records]
+        assert statuses == [CallStatus.OUTCOME_UNKNOWN] + [CallStatus.SUCCEEDED] * 3
+        runs = ledger.executions(ledger_path)
+        assert all(runs[r.key] == 1 for r in records)
+        assert doomed.proc.returncode == -signal.SIGKILL
