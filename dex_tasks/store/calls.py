@@ -51,7 +51,7 @@ def _read_call(conn: Connection, key: str) -> dict[str, Any] | None:
     """The columns of call ``key``, or None: on SQLite prepared on the DB-API connection
     (``driver.py``: a worker reads each call before its attempt, a waiter on each wake-up)."""
     rows = driver.run(conn, _GET_CALL, {"get_key": key})
-    return dict(rows[0]._mapping) if rows else None
+    return rows[0]._asdict() if rows else None  # (a new dict: the row's ``_mapping``)
 
 
 # The tombstone of one key (see ``_refuse_pruned``), a statement built once.

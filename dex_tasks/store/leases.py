@@ -220,7 +220,7 @@ class Leases(Transitions):
                                  claim=True)
         row = self._move_single(stmt, {"t_key": key, "c_lease": lease_seconds, "c_now": now,
                                        "v_worker": owner, "v_updated_at": now},
-                                key, CallStatus.RUNNING, None, now, written)
+                                key, CallStatus.RUNNING, None, now, {}, written)
         if row is None:
             return None
         try:

@@ -20,6 +20,7 @@ So two JSON texts are compared by value (:func:`same_json`), never as strings.
 
 from __future__ import annotations
 
+import functools
 import json
 from decimal import Decimal
 from typing import Any
@@ -134,7 +135,22 @@ class JsonText(TypeDecorator[str]):
     def process_result_value(self, value: Any, dialect: Dialect) -> str | None:
         if value is None or dialect.name != "postgresql":
             return value  # type: ignore[no-any-return]
+        if len(value) <= _SHORT_TEXT:
+            return _canonical_short(value)
         return canonical_text(json.loads(value))
+
+
+# A short JSON text read back is usually one read many times (a tool's ``{}`` arguments, a
+# ``null`` result, each of a worker's calls read and then returned by its ending): its
+# canonical text is remembered instead of parsed and written out again for every row
+# (issue 29). Only short texts, so the memory it holds stays small.
+_SHORT_TEXT = 128
+
+
+@functools.lru_cache(maxsize=1024)
+def _canonical_short(text: str) -> str:
+    """:func:`canonical_text` of the JSON ``text`` (a pure function of it, so remembered)."""
+    return canonical_text(json.loads(text))
 
 
 def same_json(stored: str, given: str) -> bool:

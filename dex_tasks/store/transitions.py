@@ -159,10 +159,22 @@ class Transitions(StoreBase):
         if not where and not any(isinstance(v, ClauseElement) for v in fields.values()):
             # The common shape (plain values, equality guards): a statement built once per
             # shape and bound here costs a fraction of building one per call.
-            stmt = transition_statement(to, sources, tuple(sorted(match)),
-                                         tuple(sorted(fields)), self.is_postgres)
-            params = {"t_key": key, **{f"m_{k}": v for k, v in match.items()},
-                      **{f"v_{k}": v for k, v in fields.items()}}
+            matched, written = tuple(sorted(match)), tuple(sorted(fields))
+            params = {"t_key": key}
+            for k, v in match.items():
+                params[f"m_{k}"] = v
+            for k, v in fields.items():
+                params[f"v_{k}"] = v
+            if conn is None and self.is_postgres:
+                # One statement in autocommit (see _move_single), bound in this one dict.
+                if started is not None:
+                    params["st_now"] = started.at
+                    params["st_detail"] = json.dumps(started.detail, default=str)
+                return self._move_single(
+                    single_statement(to, sources, matched, written,
+                                     started=started is not None),
+                    params, key, to, detail, now, match, fields) is not None
+            stmt = transition_statement(to, sources, matched, written, self.is_postgres)
         else:
             guards = [*where, *(CALLS.c[k] == v for k, v in match.items())]
             stmt = (
@@ -175,14 +187,6 @@ class Transitions(StoreBase):
         if conn is not None:
             return self._transition_in(conn, stmt, params, key, to, detail, now,
                                        started) is not None
-        if params is not None and self.is_postgres:
-            single = single_statement(to, sources, tuple(sorted(match)), tuple(sorted(fields)),
-                                      started=started is not None)
-            if started is not None:
-                params = {**params, "st_now": started.at,
-                          "st_detail": json.dumps(started.detail, default=str)}
-            return self._move_single(single, params, key, to, detail, now,
-                                     {**match, **fields}) is not None
 
         def attempt(tx: Connection, n: int) -> bool:
             if self._transition_in(tx, stmt, params, key, to, detail, now,
@@ -196,8 +200,8 @@ class Transitions(StoreBase):
         return self._retrying(attempt, on_driver=params is not None)
 
     def _move_single(self, stmt: Any, params: dict[str, Any], key: str, to: CallStatus,
-                     detail: Mapping[str, Any] | None, now: float,
-                     written: Mapping[str, Any]) -> Any | None:
+                     detail: Mapping[str, Any] | None, now: float, match: Mapping[str, Any],
+                     fields: Mapping[str, Any]) -> Any | None:
         """Run one move's single statement (:func:`single_statement`) in autocommit, retried
         across a lost connection; the row it returned, or None if the guards did not hold.
 
@@ -207,11 +211,12 @@ class Transitions(StoreBase):
         in a transaction of their own, and only then is the end announced (the hooks of
         :meth:`committing` run once ``attempt`` has returned): a waiter woken by the end reads
         the session as the transaction form leaves it, its messages delivered."""
-        bound = {**params, "ev_now": now,
-                 "ev_detail": json.dumps(dict(detail), default=str) if detail else None}
+        # ``params`` is a dict the caller built for this move alone: completed in place.
+        params["ev_now"] = now
+        params["ev_detail"] = json.dumps(dict(detail), default=str) if detail else None
 
         def attempt(conn: Connection, n: int) -> Any | None:
-            rows = driver.run(conn, stmt, bound)
+            rows = driver.run(conn, stmt, params)
             row = rows[0] if rows else None
             if row is not None:
                 if to.terminal:
@@ -221,7 +226,7 @@ class Transitions(StoreBase):
                 return row
             # After a lost reply, the first try may have committed (and found messages
             # waiting): a landed terminal move delivers them again, which is idempotent.
-            landed = self._landed(conn, key, to, written, now) if n > 1 else None
+            landed = self._landed(conn, key, to, {**match, **fields}, now) if n > 1 else None
             if landed is not None and to.terminal:
                 self._deliver_released(landed.session_id, now)
             return landed
