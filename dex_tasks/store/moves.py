@@ -48,10 +48,11 @@ def returning(to: CallStatus) -> tuple[Any, ...]:
 
 
 def returning_one(to: CallStatus, postgres: bool) -> tuple[Any, ...]:
-    """:func:`_returning` for a single transition, which on PostgreSQL also takes a terminal
+    """:func:`returning` for a single transition, which on PostgreSQL also takes a terminal
     move's delivery lock there (see ``DELIVERY_LOCK_RETURNING``)."""
     columns = returning(to)
     return (*columns, DELIVERY_LOCK_RETURNING) if to.terminal and postgres else columns
+
 
 # What a claim also guards, besides the call being queued: it has not expired in the queue by
 # the claimer's ``:c_now`` (a call expires by the clock of the worker that finds it expired, as
@@ -64,7 +65,7 @@ CLAIMABLE = (
 )
 
 
-def guarded_update(to: CallStatus, sources: frozenset[CallStatus], match: tuple[str, ...],
+def _guarded_update(to: CallStatus, sources: frozenset[CallStatus], match: tuple[str, ...],
                     fields: tuple[str, ...], *, claim: bool = False,
                     json_as_text: bool = False) -> Any:
     """The guarded UPDATE of one transition shape, with every value a bound parameter.
@@ -93,7 +94,7 @@ def guarded_update(to: CallStatus, sources: frozenset[CallStatus], match: tuple[
 
 
 def _value(column: str, json_as_text: bool) -> Any:
-    """The parameter ``v_<column>`` of :func:`guarded_update`."""
+    """The parameter ``v_<column>`` of :func:`_guarded_update`."""
     if json_as_text and isinstance(CALLS.c[column].type, JsonText):
         return jsonb_text(f"v_{column}")
     return bindparam(f"v_{column}")
@@ -105,7 +106,7 @@ def transition_statement(
     fields: tuple[str, ...], postgres: bool,
 ) -> Any:
     """The guarded UPDATE of one transition shape, returning what ``_record`` needs."""
-    return guarded_update(to, sources, match, fields).returning(*returning_one(to, postgres))
+    return _guarded_update(to, sources, match, fields).returning(*returning_one(to, postgres))
 
 
 # The single-statement form's event detail and time, bound per move. Its JSON (the details,
@@ -144,7 +145,7 @@ def single_statement(
     INSERT, and the ending's event says it left ``running``. Its JSON values and event
     details are sent as text the server casts to jsonb (``sqljson.jsonb_text``).
     """
-    update_stmt = guarded_update(to, sources, match, fields, claim=claim, json_as_text=True)
+    update_stmt = _guarded_update(to, sources, match, fields, claim=claim, json_as_text=True)
     if claim:
         returned: tuple[Any, ...] = tuple(CALLS.c)
     elif to.terminal:
