@@ -273,7 +273,8 @@ class CallWatcher:
         if confirmed is None:
             return
         with self._lock:
-            orphaned = self._forget(key)
+            # (A new list: _forget hands back the dropped entry's own.)
+            orphaned = list(self._forget(key))
             self._sent[key] = _Sent(session_id, confirmed)
             orphaned += self._trim()
         for watch in orphaned:
