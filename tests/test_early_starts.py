@@ -34,7 +34,7 @@ def settings(redis_url: str, database_url: str) -> DexSettings:
 def known_effect(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     """This process has started a call of the tool before: it knows the tool's effect class,
     and Redis has the start's script."""
-    monkeypatch.setitem(claiming._EFFECTS, TOOL, "read")
+    monkeypatch.setitem(claiming._SEEN, TOOL, ("read", 3))
     rt.redis.script_load(runs_module._START)
 
 
@@ -155,7 +155,7 @@ def test_a_call_of_another_effect_starts_with_its_own(rt: Runtime) -> None:
     assert isinstance(leased, tuple) and leased[3].number == 1
     assert rt.redis.hgetall(run_key(key))[b"effect"] == b"idempotent_write"
     assert rt.runs.attempts(key) == 1
-    assert claiming._EFFECTS[TOOL] == "idempotent_write"
+    assert claiming._SEEN[TOOL] == ("idempotent_write", 3)
 
 
 def test_a_call_another_attempt_holds_is_a_duplicate_and_keeps_its_run(rt: Runtime) -> None:
@@ -189,17 +189,17 @@ def test_undo_start_takes_back_only_that_attempt(rt: Runtime) -> None:
     key = f"s/t/undo-{time.time_ns()}"
     # An attempt started early over a count of one, then taken back: the count is one again
     rt.redis.set(attempts_key(key), 1, ex=600)
-    assert runs.start_later(key, "node-a:1", lease_seconds=30, started=1.0, ttl=600,
-                            tool=TOOL, effect="read").number() == 2
+    assert runs.start_later(key, "node-a:1", max_attempts=5, lease_seconds=30,
+                            started=1.0, ttl=600, tool=TOOL, effect="read").number() == 2
     assert runs.undo_start(key, "node-a:1", 2, ttl=600)
     assert runs.get(key) is None and rt.redis.zscore(RUNS_KEY, key) is None
     assert runs.attempts(key) == 1
     # Another owner's attempt, or a count that moved on, is left alone
-    assert runs.start_later(key, "node-b:1", lease_seconds=30, started=1.0, ttl=600,
-                            tool=TOOL, effect="read").number() == 2
+    assert runs.start_later(key, "node-b:1", max_attempts=5, lease_seconds=30,
+                            started=1.0, ttl=600, tool=TOOL, effect="read").number() == 2
     assert not runs.undo_start(key, "node-a:1", 2, ttl=600)
-    assert runs.start_later(key, "node-c:1", lease_seconds=30, started=1.0, ttl=600,
-                            tool=TOOL, effect="read").number() == BUSY
+    assert runs.start_later(key, "node-c:1", max_attempts=5, lease_seconds=30,
+                            started=1.0, ttl=600, tool=TOOL, effect="read").number() == BUSY
     rt.redis.set(attempts_key(key), 4, ex=600)
     assert runs.undo_start(key, "node-b:1", 2, ttl=600)
     assert runs.attempts(key) == 4

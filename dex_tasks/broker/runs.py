@@ -44,9 +44,6 @@ RUNS_KEY = "dex:runs"
 BUSY = -1
 """What :meth:`Runs.start` returns when another attempt holds a live lease on the call."""
 
-# The most attempts a start sent before the call was read allows: none is refused there.
-_NO_MOST = 2**31
-
 # KEYS: run hash, attempts key, runs zset. ARGV: key, stored attempts, max attempts, owner,
 # started (the worker's time, for display only), lease seconds, attempts TTL, tool, effect.
 # Returns the attempt number started, BUSY, or {0, count} when no attempt is left.
@@ -197,20 +194,20 @@ class Runs:
             return 0, int(reply[1])
         return int(reply), int(reply)
 
-    def start_later(self, key: str, owner: str, *, lease_seconds: float, started: float,
-                    ttl: int, tool: str, effect: str) -> PendingStart:
+    def start_later(self, key: str, owner: str, *, max_attempts: int, lease_seconds: float,
+                    started: float, ttl: int, tool: str, effect: str) -> PendingStart:
         """Send the start of an attempt of ``key`` for ``owner`` before its call is read, and
         read the reply later (:meth:`PendingStart.number`), the call's read in between.
 
-        The store's count and ``max_attempts`` are not known yet: the attempt is numbered
-        after Redis's count alone, and none is refused for being one too many. The caller
-        checks the number against the call once read, and takes the start back
+        The store's count is not known yet, nor the call's own ``max_attempts`` (this one is
+        the tool's, as last seen): the attempt is numbered after Redis's count alone. The
+        caller checks the number against the call once read, and takes the start back
         (:meth:`undo_start`) when the call should not start so (its count in the store is
         larger than Redis's, no attempt is left, it is not queued...). Raises
         ``redis.RedisError`` when the command could not be sent (then it did not run).
         """
         command = pack_command("EVALSHA", self._start.sha, 3, run_key(key), attempts_key(key),
-                               RUNS_KEY, key, 0, _NO_MOST, owner, repr(started),
+                               RUNS_KEY, key, 0, max_attempts, owner, repr(started),
                                lease_seconds, ttl, tool, effect)
         return PendingStart(Pending(self.client, command))
 
@@ -319,13 +316,14 @@ class PendingStart:
 
     def number(self) -> int | None:
         """The attempt number started, :data:`BUSY` (another attempt holds a live lease), or
-        None when Redis did not have the script loaded (nothing ran). Raises
-        ``redis.RedisError`` when the reply was lost (the start may have run)."""
+        None when nothing ran: Redis did not have the script loaded, or counted every attempt
+        already. Raises ``redis.RedisError`` when the reply was lost (the start may have
+        run)."""
         try:
             reply = self._pending.reply()
         except redis.exceptions.NoScriptError:
             return None
-        return int(reply)
+        return None if isinstance(reply, list) else int(reply)
 
     def drop(self) -> None:
         """Give up the reply (its connection is closed): the start may have run."""

@@ -105,10 +105,11 @@ def _before_claim(row: Any) -> ToolCallRow:
 
 Leased = tuple[ToolCallRow, Any, dict[str, Any], Attempt]
 
-# The effect class of each tool whose queued call this process has read: the start of an
-# attempt sent before its call is read names it in the run (``/metrics`` counts running
-# attempts by tool and effect), and is taken back if the call says otherwise.
-_EFFECTS: dict[str, str] = {}
+# The effect class and most attempts of each tool whose queued call this process has read: the
+# start of an attempt sent before its call is read names the effect in the run (``/metrics``
+# counts running attempts by tool and effect) and starts no attempt past the most, and is
+# taken back if the call says otherwise.
+_SEEN: dict[str, tuple[str, int]] = {}
 
 
 def claim_leased(rt: Runtime, key: str, owner: str,
@@ -127,20 +128,22 @@ def claim_leased(rt: Runtime, key: str, owner: str,
     changes nothing.
 
     ``tool``: the tool the message says it runs. Once this process has read a call of that
-    tool (and so knows its effect class), the start is sent before the call is read, and its
-    reply read after: the two round trips overlap. It is kept only if it is exactly the start
-    the steps above would have made (the call queued, unexpired, of that tool and effect, its
-    stored count not above Redis's, an attempt left, its arguments valid); otherwise it is
-    taken back (``Runs.undo_start``) and the steps above decide, on the call as read.
+    tool (and so knows its effect class and most attempts), the start is sent before the call
+    is read, and its reply read after: the two round trips overlap. It is kept only if it is
+    exactly the start the steps above would have made (the call queued, unexpired, of that
+    tool and effect, its stored count not above Redis's, an attempt left, its arguments
+    valid); otherwise it is taken back (``Runs.undo_start``) and the steps above decide, on
+    the call as read.
     """
     now = time.time()
-    effect = _EFFECTS.get(tool) if tool is not None else None
+    seen = _SEEN.get(tool) if tool is not None else None
+    effect = seen[0] if seen is not None else None
     early: PendingStart | None = None
-    if tool is not None and effect is not None:
+    if tool is not None and seen is not None:
         try:
             early = rt.runs.start_later(
-                key, owner, lease_seconds=rt.settings.lease_seconds, started=now,
-                ttl=rt.settings.claim_ttl_seconds, tool=tool, effect=effect)
+                key, owner, max_attempts=seen[1], lease_seconds=rt.settings.lease_seconds,
+                started=now, ttl=rt.settings.claim_ttl_seconds, tool=tool, effect=seen[0])
         except redis.RedisError:
             early = None  # not sent, so it did not run: the steps above try again
     try:
@@ -150,7 +153,7 @@ def claim_leased(rt: Runtime, key: str, owner: str,
             _take_back(rt, key, owner, early)
         raise
     if call is not None and call.status == CallStatus.QUEUED.value:
-        _EFFECTS[call.tool] = call.effect
+        _SEEN[call.tool] = (call.effect, call.max_attempts)
     if early is None:
         return _start(rt, key, owner, call, now)
     try:
@@ -160,8 +163,8 @@ def claim_leased(rt: Runtime, key: str, owner: str,
         # checked (a lease left behind lapses; the reaper then finds what became of the call).
         return _start(rt, key, owner, call, now, start_failed=True)
     if number is None or number == BUSY:
-        # Not run (Redis had to load the script), or another attempt holds the call: the
-        # steps above, whose own start says so again.
+        # Not run (Redis had to load the script, or counted every attempt), or another attempt
+        # holds the call: the steps above, whose own start says so again.
         return _start(rt, key, owner, call, now)
     started = _as_started(call, owner, now, number, tool, effect)
     if started is not None:
