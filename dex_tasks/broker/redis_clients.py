@@ -299,6 +299,61 @@ def send_script(client: redis.Redis, script: str, command: bytes) -> Any:
         return send_packed(client, command)
 
 
+class Pending:
+    """A command that :func:`pack_command` packed, sent on a connection of ``client``'s pool
+    whose reply is read later (:meth:`reply`): the caller does other work, another server's
+    round trip, while Redis runs it.
+
+    Sent once, without the client's ``Retry`` (a command that failed to be sent did not run;
+    one whose reply was lost may have). The connection goes back to the pool once the reply
+    is read (:meth:`reply`) or dropped (:meth:`drop`): one of them must be called. Not for a
+    client made with ``single_connection_client`` (as :func:`send_packed`).
+    """
+
+    __slots__ = ("_conn", "_pool")
+
+    def __init__(self, client: redis.Redis, command: bytes) -> None:
+        self._pool = client.connection_pool
+        conn: Any = self._pool.get_connection()
+        self._conn: Any = conn
+        try:
+            conn.send_packed_command([command])
+        except BaseException:
+            self.drop()
+            raise
+
+    def reply(self) -> Any:
+        """The command's reply (an error reply raises its ``ResponseError``). Anything else
+        raised closes the connection: a reply may be left unread on it."""
+        conn = self._conn
+        if conn is None:
+            raise redis.ConnectionError("the reply was dropped")
+        try:
+            return conn.read_response()
+        except redis.ResponseError:
+            raise
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            self._release()
+
+    def drop(self) -> None:
+        """Give the connection up without its reply (it is closed: the reply may come)."""
+        if self._conn is not None:
+            self._conn.disconnect()
+            self._release()
+
+    def _release(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        # As send_packed: a server that announced maintenance asks for a new connection.
+        if getattr(conn, "should_reconnect", lambda: False)():
+            conn.disconnect()
+        self._pool.release(conn)
+
+
 def _round_trip(conn: Any, command: bytes) -> Any:
     conn.send_packed_command([command])
     return conn.read_response()

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import redis
 
-from dex_tasks.broker.redis_clients import pack_command, send_script
+from dex_tasks.broker.redis_clients import Pending, pack_command, send_script
 from dex_tasks.states import CallStatus
 
 log = logging.getLogger("dex_tasks.broker.runs")
@@ -65,6 +65,29 @@ redis.call('HSET', KEYS[1], 'worker', ARGV[4], 'started', ARGV[5], 'attempt', n,
 redis.call('EXPIRE', KEYS[1], ARGV[7])
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[6]), ARGV[1])
 return n
+"""
+
+# KEYS: run hash, attempts key, runs zset. ARGV: key, owner, attempt, TTL. Takes back the start
+# of ``attempt`` by ``owner`` (made by :meth:`Runs.start_later` before its call was read): its
+# run and lease if they are still that attempt's, its count if it is still that attempt's (the
+# count it followed restored, or none). Returns 1 if the run was dropped.
+_UNDO_START = """
+local dropped = 0
+local run = redis.call('HMGET', KEYS[1], 'worker', 'attempt')
+if run[1] == ARGV[2] and run[2] == ARGV[3] then
+  redis.call('DEL', KEYS[1])
+  redis.call('ZREM', KEYS[3], ARGV[1])
+  dropped = 1
+end
+if redis.call('GET', KEYS[2]) == ARGV[3] then
+  local before = tonumber(ARGV[3]) - 1
+  if before > 0 then
+    redis.call('SET', KEYS[2], before, 'EX', ARGV[4])
+  else
+    redis.call('DEL', KEYS[2])
+  end
+end
+return dropped
 """
 
 # KEYS: run hash, runs zset, attempts key. ARGV: key, owner, ended. Drops the run if ``owner``
@@ -150,6 +173,7 @@ class Runs:
         self._renew = client.register_script(_RENEW)
         self._reap = client.register_script(_REAP)
         self._expired = client.register_script(_EXPIRED)
+        self._undo_start = client.register_script(_UNDO_START)
 
     def start(self, key: str, owner: str, *, stored_attempts: int, max_attempts: int,
               lease_seconds: float, started: float, ttl: int, tool: str = "",
@@ -169,6 +193,30 @@ class Runs:
         if isinstance(reply, list):
             return 0, int(reply[1])
         return int(reply), int(reply)
+
+    def start_later(self, key: str, owner: str, *, max_attempts: int, lease_seconds: float,
+                    started: float, ttl: int, tool: str, effect: str) -> PendingStart:
+        """Send the start of an attempt of ``key`` for ``owner`` before its call is read, and
+        read the reply later (:meth:`PendingStart.number`), the call's read in between.
+
+        The store's count is not known yet, nor the call's own ``max_attempts`` (this one is
+        the tool's, as last seen): the attempt is numbered after Redis's count alone. The
+        caller checks the number against the call once read, and takes the start back
+        (:meth:`undo_start`) when the call should not start so (its count in the store is
+        larger than Redis's, no attempt is left, it is not queued...). Raises
+        ``redis.RedisError`` when the command could not be sent (then it did not run).
+        """
+        command = pack_command("EVALSHA", self._start.sha, 3, run_key(key), attempts_key(key),
+                               RUNS_KEY, key, 0, max_attempts, owner, repr(started),
+                               lease_seconds, ttl, tool, effect)
+        return PendingStart(Pending(self.client, command))
+
+    def undo_start(self, key: str, owner: str, number: int, *, ttl: int) -> bool:
+        """Take back attempt ``number`` of ``key`` that :meth:`start_later` started for
+        ``owner``: its run and lease, and its count, each only if still that attempt's (the
+        attempt never ran the tool). True if the run was dropped."""
+        return bool(self._undo_start(keys=[run_key(key), attempts_key(key), RUNS_KEY],
+                                     args=[key, owner, number, ttl]))
 
     def release(self, key: str, owner: str, *, ended: bool = False) -> bool:
         """Drop ``owner``'s run of ``key`` (its attempt ended, or was recorded lost);
@@ -256,6 +304,30 @@ class Runs:
             return list(rows)
         return [_as_running(r, live[_key(r)]) if _status(r) == "queued" and _key(r) in live
                 else r for r in rows]
+
+
+class PendingStart:
+    """An attempt's start sent by :meth:`Runs.start_later`, its reply not read yet."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self, pending: Pending) -> None:
+        self._pending = pending
+
+    def number(self) -> int | None:
+        """The attempt number started, :data:`BUSY` (another attempt holds a live lease), or
+        None when nothing ran: Redis did not have the script loaded, or counted every attempt
+        already. Raises ``redis.RedisError`` when the reply was lost (the start may have
+        run)."""
+        try:
+            reply = self._pending.reply()
+        except redis.exceptions.NoScriptError:
+            return None
+        return None if isinstance(reply, list) else int(reply)
+
+    def drop(self) -> None:
+        """Give up the reply (its connection is closed): the start may have run."""
+        self._pending.drop()
 
 
 def _key(row: Any) -> str:

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import redis
 
-from dex_tasks.broker.runs import BUSY
+from dex_tasks.broker.runs import BUSY, PendingStart
 from dex_tasks.registry import InvalidArguments, get_local_tool
 from dex_tasks.states import CallStatus
 from dex_tasks.store.models import ToolCallRow
@@ -105,8 +105,15 @@ def _before_claim(row: Any) -> ToolCallRow:
 
 Leased = tuple[ToolCallRow, Any, dict[str, Any], Attempt]
 
+# The effect class and most attempts of each tool whose queued call this process has read: the
+# start of an attempt sent before its call is read names the effect in the run (``/metrics``
+# counts running attempts by tool and effect) and starts no attempt past the most, and is
+# taken back if the call says otherwise.
+_SEEN: dict[str, tuple[str, int]] = {}
 
-def claim_leased(rt: Runtime, key: str, owner: str) -> Leased | Outcome | None:
+
+def claim_leased(rt: Runtime, key: str, owner: str,
+                 tool: str | None = None) -> Leased | Outcome | None:
     """Start an attempt of a retrying call: its run leased in Redis, nothing written to the
     store (which still says ``queued``; the ending records the start).
 
@@ -119,9 +126,100 @@ def claim_leased(rt: Runtime, key: str, owner: str) -> Leased | Outcome | None:
     attempt's number), its tool, the validated arguments and the :class:`Attempt`. Redis
     unreachable: the call is marked unsent (the republisher sends it again) and this delivery
     changes nothing.
+
+    ``tool``: the tool the message says it runs. Once this process has read a call of that
+    tool (and so knows its effect class and most attempts), the start is sent before the call
+    is read, and its reply read after: the two round trips overlap. It is kept only if it is
+    exactly the start the steps above would have made (the call queued, unexpired, of that
+    tool and effect, its stored count not above Redis's, an attempt left, its arguments
+    valid); otherwise it is taken back (``Runs.undo_start``) and the steps above decide, on
+    the call as read.
     """
     now = time.time()
-    call = rt.store.get_call(key)
+    seen = _SEEN.get(tool) if tool is not None else None
+    effect = seen[0] if seen is not None else None
+    early: PendingStart | None = None
+    if tool is not None and seen is not None:
+        try:
+            early = rt.runs.start_later(
+                key, owner, max_attempts=seen[1], lease_seconds=rt.settings.lease_seconds,
+                started=now, ttl=rt.settings.claim_ttl_seconds, tool=tool, effect=seen[0])
+        except redis.RedisError:
+            early = None  # not sent, so it did not run: the steps above try again
+    try:
+        call = rt.store.get_call(key)
+    except BaseException:
+        if early is not None:
+            _take_back(rt, key, owner, early)
+        raise
+    if call is not None and call.status == CallStatus.QUEUED.value:
+        _SEEN[call.tool] = (call.effect, call.max_attempts)
+    if early is None:
+        return _start(rt, key, owner, call, now)
+    try:
+        number = early.number()
+    except redis.RedisError:
+        # Its reply was lost: it may have run. As a start that failed, once the call is
+        # checked (a lease left behind lapses; the reaper then finds what became of the call).
+        return _start(rt, key, owner, call, now, start_failed=True)
+    if number is None or number == BUSY:
+        # Not run (Redis had to load the script, or counted every attempt), or another attempt
+        # holds the call: the steps above, whose own start says so again.
+        return _start(rt, key, owner, call, now)
+    started = _as_started(call, owner, now, number, tool, effect)
+    if started is not None:
+        return started
+    _undo(rt, key, owner, number)
+    return _start(rt, key, owner, call, now)
+
+
+def _as_started(call: ToolCallRow | None, owner: str, now: float, number: int,
+                tool: str | None, effect: str | None) -> Leased | None:
+    """The call as attempt ``number`` (started before it was read) runs it, with its tool,
+    arguments and attempt; None unless that start is exactly the one :func:`_start` would
+    make."""
+    if (call is None or call.status != CallStatus.QUEUED.value or call.tool != tool
+            or call.effect != effect or not call.attempts < number <= call.max_attempts
+            or (call.expires_at is not None and now > call.expires_at)):
+        return None
+    local_tool = get_local_tool(call.tool)
+    if local_tool is None:
+        return None
+    try:
+        arguments = local_tool.validate(json.loads(call.arguments))
+    except InvalidArguments:
+        return None
+    running = call.model_copy(update={"status": CallStatus.RUNNING.value, "attempts": number,
+                                      "worker": owner})
+    return running, local_tool, arguments, Attempt(owner, number, stored=call.attempts,
+                                                    started=now)
+
+
+def _undo(rt: Runtime, key: str, owner: str, number: int) -> None:
+    """Take back an attempt started before its call was read. Redis failing here leaves the
+    run to lapse with its lease (the reaper then finds what became of its call)."""
+    try:
+        rt.runs.undo_start(key, owner, number, ttl=rt.settings.claim_ttl_seconds)
+    except redis.RedisError as err:
+        log.warning("an attempt started before its call was read was not taken back; its "
+                    "lease lapses", extra={"action": "run_undo_failed", "key": key,
+                                           "error": str(err)[:200]})
+
+
+def _take_back(rt: Runtime, key: str, owner: str, early: PendingStart) -> None:
+    """The call's read failed: take back the start sent before it, if it ran."""
+    try:
+        number = early.number()
+    except redis.RedisError:
+        return  # it may have run: its lease lapses
+    if number is not None and number > 0:
+        _undo(rt, key, owner, number)
+
+
+def _start(rt: Runtime, key: str, owner: str, call: ToolCallRow | None, now: float, *,
+           start_failed: bool = False) -> Leased | Outcome | None:
+    """:func:`claim_leased`'s steps on the call as read; ``start_failed``: its start was sent
+    and its reply lost, which counts as ``Runs.start`` failing."""
     if call is None or call.status != CallStatus.QUEUED.value:
         log.info("duplicate delivery ignored", extra={"action": "duplicate_delivery",
                                                       "key": key})
@@ -138,6 +236,9 @@ def claim_leased(rt: Runtime, key: str, owner: str) -> Leased | Outcome | None:
         arguments = tool.validate(json.loads(call.arguments))
     except InvalidArguments as err:
         return end_unstarted(rt, call, str(err))
+    if start_failed:
+        message_lost(rt, key, "run_start_failed")
+        return None
     try:
         number, counted = rt.runs.start(
             key, owner, stored_attempts=call.attempts, max_attempts=call.max_attempts,
