@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 from itsdangerous import BadData, Serializer, Signer
+from itsdangerous.encoding import want_bytes
 
 from dex_tasks.errors import DexError
 
@@ -100,7 +101,7 @@ def record_serializer(key: str) -> Serializer[str]:
 
 
 class _KeyedSigner(Signer):
-    """itsdangerous' ``Signer``, whose signing key is derived once, not for every signature
+    """itsdangerous' ``Signer``, whose key is derived once, not for every signature or check
     (a SHA1 of the salt and the secret each time)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -108,9 +109,11 @@ class _KeyedSigner(Signer):
         self._derived = super().derive_key()
 
     def derive_key(self, secret_key: str | bytes | None = None) -> bytes:
-        # Only the signing key (None: the newest secret) is kept: a check derives the key of
-        # each secret it tries by name, as itsdangerous does.
-        return self._derived if secret_key is None else super().derive_key(secret_key)
+        # The newest secret's key is kept: signing asks for it (None), and a check asks for
+        # each secret it tries by name (want_bytes: as itsdangerous compares them).
+        if secret_key is None or want_bytes(secret_key) == self.secret_keys[-1]:
+            return self._derived
+        return super().derive_key(secret_key)
 
 
 class _RecordSerializer(Serializer[str]):
@@ -125,7 +128,10 @@ class _RecordSerializer(Serializer[str]):
         self._signer = super().make_signer()
 
     def make_signer(self, salt: str | bytes | None = None) -> Signer:
-        return self._signer if salt is None else super().make_signer(salt)
+        # ``loads`` asks for the serializer's own salt by name.
+        if salt is None or want_bytes(salt) == self.salt:
+            return self._signer
+        return super().make_signer(salt)
 
 
 class RecordSigner:
