@@ -16,9 +16,19 @@ import redis
 from itsdangerous import BadSignature, Serializer
 
 from dex_tasks import CallStatus, DexClient, DexSettings
-from dex_tasks.broker.ended import RECORD_SALT, ended_channel, record_serializer
+from dex_tasks.broker.ended import (
+    RECORD_SALT,
+    ended_channel,
+    ended_message,
+    ended_record,
+    record_serializer,
+)
+from dex_tasks.store import EndedCall
+from dex_tasks.store.records import ToolCallRecord
+from dex_tasks.store.sqljson import canonical_text
 from tests.conftest import StartWorker, fast_settings
-from tests.helpers import wait_until
+from tests.helpers import open_store, wait_until
+from tests.test_store import call_row
 from workers import ledger
 
 TOOLS = "workers.example_tools,chaos.tools"
@@ -136,3 +146,45 @@ def test_a_record_is_signed_as_itsdangerous_signs_it_so_either_release_reads_it(
                    Serializer("the store's key", salt="another salt").dumps(record)):
         with pytest.raises(BadSignature):
             ours.loads(forged)
+
+
+# Values whose JSON or number text differs between what the store reads back and what a
+# statement may write out: escapes, characters outside ASCII, numbers jsonb respells, JSON
+# null against SQL NULL, whole and fractional timestamps.
+_ODD_JSON = {"quote": "a\"b\\c\nd\te\u0001", "café": "日本 😀",
+             "n": [0.1, 1e20, -0.0, 2**70, 1.5e-7], "nested": {"b": [], "a": {}},
+             "none": None, "yes": True}
+
+
+@pytest.mark.parametrize(("status", "values", "at"), [
+    (CallStatus.SUCCEEDED, {"result": canonical_text(_ODD_JSON)}, 1_700_000_000.0),
+    (CallStatus.SUCCEEDED, {"result": "null"}, 1_700_000_000.123456),
+    (CallStatus.FAILED, {"error": "boom: \"x\"\n\u0007 ü"}, 1_712_345_678.987654321),
+])
+def test_the_record_an_ending_hands_over_is_the_stored_record(
+    database_url: str, status: CallStatus, values: dict[str, Any], at: float,
+) -> None:
+    # Given a running call whose arguments, result or error hold odd JSON and text, with
+    # whole or fractional timestamps
+    key = f"s/t/{status.value}-{at}"
+    with open_store(database_url) as store:
+        assert store.insert_call(call_row(
+            key, CallStatus.QUEUED, arguments=canonical_text(_ODD_JSON), created_at=at - 1,
+            requires_approval=True, original_arguments=canonical_text({"x": 1.25}),
+            approval_rule=canonical_text({"rule": "ü", "n": None})))
+        assert store.transition(key, CallStatus.RUNNING, values={"worker": "w:1"})
+        ended: list[EndedCall] = []
+        store.on_calls_ended(ended.extend)
+
+        # When it ends, and its end is announced with its record signed
+        assert store.transition(key, status, allowed={CallStatus.RUNNING}, values=values,
+                                now=at)
+        (call,) = ended
+        signer = record_serializer("the store's key")
+        record = ended_record(ended_message(call, signer), signer, key)
+
+        # Then a waiter handed that record has exactly the record a read of the store gives
+        assert record is not None and call.worker == "w:1"
+        stored = store.get_call_columns(key)
+        assert stored is not None
+        assert ToolCallRecord.from_mapping(record) == ToolCallRecord.from_mapping(stored)

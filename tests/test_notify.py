@@ -569,7 +569,7 @@ def test_an_ended_retrying_calls_run_ends_with_its_announcement(redis_url: str,
                           lease_seconds=30, started=now, ttl=600)[0] == 1
     named = {"own": "node:1", "other": "node:1", "none": None}
     ended = [EndedCall(key, base, "lookup_order", "read", CallStatus.SUCCEEDED, now, now,
-                       record=None if named[name] is None else {"worker": named[name]})
+                       worker=named[name])
              for name, key in keys.items()]
     evalsha = _commands(notifier.client, "evalsha")
     try:

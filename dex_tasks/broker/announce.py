@@ -124,7 +124,7 @@ def ended_runs(ended: Sequence[EndedCall]) -> list[tuple[str, str]]:
     """``(key, owner)`` of the retrying calls among ``ended``, whose run in Redis ends with
     them (``broker/runs.py``): ``owner`` is the worker the ended row names (the attempt that
     ended it), or "" when it names none, which drops only the attempt count."""
-    return [(call.key, str((call.record or {}).get("worker") or ""))
+    return [(call.key, call.worker or "")
             for call in ended if call.effect in RETRYING_EFFECTS]
 
 

@@ -8,10 +8,11 @@ whose watcher wakes the call's waiters with it).
 * **The channels.** Each call has its own, ``dex:ended:<key>`` (:func:`ended_channel`); the
   end of each call is announced on its session's too, ``dex:ended:session:<id>``
   (:func:`session_channel`), prefixed by the call's key (:func:`session_message`).
-* **The message.** The call's new status, then (after a space) its ended row signed with the
-  key every process of the store shares (:class:`RecordSigner`), or the status alone
-  (:func:`ended_message`). A waiter believes only a record that passes the signature check
-  and names its call (:func:`ended_record`); anything else makes it read the store.
+* **The message.** The call's new status, then (after a space) its ended record (the columns
+  of its ``ToolCallRecord``, as JSON text) signed with the key every process of the store
+  shares (:class:`RecordSigner`), or the status alone (:func:`ended_message`). A waiter
+  believes only a record that passes the signature check and names its call
+  (:func:`ended_record`); anything else makes it read the store.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 from itsdangerous import BadData, Serializer, Signer
+from itsdangerous.encoding import want_bytes
 
 from dex_tasks.errors import DexError
 
@@ -99,7 +101,7 @@ def record_serializer(key: str) -> Serializer[str]:
 
 
 class _KeyedSigner(Signer):
-    """itsdangerous' ``Signer``, whose signing key is derived once, not for every signature
+    """itsdangerous' ``Signer``, whose key is derived once, not for every signature or check
     (a SHA1 of the salt and the secret each time)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -107,9 +109,11 @@ class _KeyedSigner(Signer):
         self._derived = super().derive_key()
 
     def derive_key(self, secret_key: str | bytes | None = None) -> bytes:
-        # Only the signing key (None: the newest secret) is kept: a check derives the key of
-        # each secret it tries by name, as itsdangerous does.
-        return self._derived if secret_key is None else super().derive_key(secret_key)
+        # The newest secret's key is kept: signing asks for it (None), and a check asks for
+        # each secret it tries by name (want_bytes: as itsdangerous compares them).
+        if secret_key is None or want_bytes(secret_key) == self.secret_keys[-1]:
+            return self._derived
+        return super().derive_key(secret_key)
 
 
 class _RecordSerializer(Serializer[str]):
@@ -124,7 +128,10 @@ class _RecordSerializer(Serializer[str]):
         self._signer = super().make_signer()
 
     def make_signer(self, salt: str | bytes | None = None) -> Signer:
-        return self._signer if salt is None else super().make_signer(salt)
+        # ``loads`` asks for the serializer's own salt by name.
+        if salt is None or want_bytes(salt) == self.salt:
+            return self._signer
+        return super().make_signer(salt)
 
 
 class RecordSigner:
@@ -162,12 +169,15 @@ class RecordSigner:
 
 def ended_message(call: EndedCall, signer: Serializer[str] | None) -> str:
     """What the end of ``call`` publishes on its channel: its status, then (after a space)
-    the ended row, signed, which its waiters take instead of reading the store; or only the
-    status (no signer, a row the ending did not return, or one too large), which makes them
-    read it."""
-    if signer is None or call.record is None:
+    the ended record (``EndedCall.record``), signed, which its waiters take instead of
+    reading the store; or only the status (no signer, a record the ending did not return, or
+    one too large), which makes them read it."""
+    if signer is None or call.record is None or len(call.record) > MAX_RECORD_CHARS:
         return call.status.value
-    text = f"{call.status.value} {signer.dumps(call.record)}"
+    # The record is JSON text already: signed as it is, which is what ``signer.dumps`` gives
+    # for the value it holds (``dumps`` writes the JSON text, then signs it so).
+    signed = signer.make_signer().sign(call.record).decode("utf-8")
+    text = f"{call.status.value} {signed}"
     return text if len(text) <= MAX_RECORD_CHARS else call.status.value
 
 
@@ -180,7 +190,7 @@ def message_status(message: str | bytes) -> str:
 
 def ended_record(message: str | bytes | None, signer: Serializer[str] | None,
                  key: str) -> dict[str, Any] | None:
-    """The ended row of call ``key`` a notification carried, if it is one, signed with the
+    """The ended record of call ``key`` a notification carried, if it is one, signed with the
     store's key, for that call and terminal; None otherwise (read the store). Redis is not
     trusted with a call's outcome: a message anyone could publish is checked first."""
     if signer is None or message is None:

@@ -41,7 +41,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,10 +89,11 @@ class Watch:
     """One waiter's interest in one call: woken (``wait`` returns True, ``on_wake`` runs) when
     the call's channel has news, the subscription is confirmed, or the connection changes."""
 
-    def __init__(self, watcher: CallWatcher, channel: str,
+    def __init__(self, watcher: CallWatcher, key: str,
                  on_wake: Callable[[], None] | None, *, sent: bool = False) -> None:
         self.watcher = watcher
-        self.channel = channel
+        self.key = key
+        self.channel = ended_channel(key)
         self._on_wake = on_wake
         self._event = threading.Event()
         # The last message heard on the channel: a signed ended record, or a bare status.
@@ -139,6 +140,13 @@ class Watch:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def _wake_all(watches: Iterable[Watch]) -> None:
+    """Wake waiters left without what they relied on (a dropped sent call, a lost session):
+    they read the store. Called with the watcher's lock let go."""
+    for watch in watches:
+        watch.wake()
 
 
 @dataclass
@@ -220,17 +228,16 @@ class CallWatcher:
         if self._pid != os.getpid():
             # A forked child cannot use its parent's thread or connection: start afresh.
             self._reset()
-        channel = ended_channel(key)
-        watch = Watch(self, channel, on_wake)
+        watch = Watch(self, key, on_wake)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the call watcher is closed")
             self._start()
-            watches = self._watches.setdefault(channel, [])
+            watches = self._watches.setdefault(watch.channel, [])
             watches.append(watch)
             first = len(watches) == 1
             if first:
-                self._requests.append(("subscribe", channel))
+                self._requests.append(("subscribe", watch.channel))
         if first:
             self._poke()
         return watch
@@ -261,8 +268,7 @@ class CallWatcher:
             # The waiters of calls sent in a dropped session read the store instead.
             orphaned = self._sent_in(dropped) if dropped else []
         self._poke()
-        for watch in orphaned:
-            watch.wake()
+        _wake_all(orphaned)
         return None
 
     def sent(self, key: str, session_id: str, confirmed: int | None) -> None:
@@ -277,8 +283,7 @@ class CallWatcher:
             orphaned = list(self._forget(key))
             self._sent[key] = _Sent(session_id, confirmed)
             orphaned += self._trim()
-        for watch in orphaned:
-            watch.wake()
+        _wake_all(orphaned)
 
     def watch_sent(self, key: str,
                    on_wake: Callable[[], None] | None = None) -> Watch | None:
@@ -291,13 +296,12 @@ class CallWatcher:
         with self._lock:
             sent = self._sent.get(key)
             if sent is not None and self._covering(sent):
-                watch = Watch(self, ended_channel(key), on_wake, sent=True)
+                watch = Watch(self, key, on_wake, sent=True)
                 watch.message = sent.message
                 sent.watches.append(watch)
                 return watch
             orphaned = self._forget(key)
-        for other in orphaned:
-            other.wake()
+        _wake_all(orphaned)
         return None
 
     def covers(self, watch: Watch) -> bool:
@@ -305,7 +309,7 @@ class CallWatcher:
         kept, with this watch among its waiters (one dropped is not, even if the same key was
         sent again since), under the confirmation it was sent under."""
         with self._lock:
-            sent = self._sent.get(watch.channel.removeprefix(CHANNEL_PREFIX))
+            sent = self._sent.get(watch.key)
             return (watch.sent and sent is not None and watch in sent.watches
                     and self._covering(sent))
 
@@ -342,13 +346,12 @@ class CallWatcher:
         """Forget ``watch``; unsubscribe its channel if no other watch needs it. (Nothing waits
         for that: the thread sends it with its next command, or within a second.)"""
         if watch.sent:
-            key = watch.channel.removeprefix(CHANNEL_PREFIX)
             with self._lock:
-                sent = self._sent.get(key)
+                sent = self._sent.get(watch.key)
                 if sent is not None and watch in sent.watches:
                     sent.watches.remove(watch)
                     if not sent.watches:
-                        self._forget(key)  # waited for: its end is not kept any longer
+                        self._forget(watch.key)  # waited for: its end is not kept any longer
             return
         with self._lock:
             watches = self._watches.get(watch.channel)
@@ -406,6 +409,8 @@ class CallWatcher:
                 watches += [w for sent in self._sent.values() for w in sent.watches]
             else:
                 watches = list(self._watches.get(channel, ()))
+                # (A message's channel: a sent call's watches are subscribed to nothing,
+                # so there may be no watch here to take the key from.)
                 sent = self._sent.get(channel.removeprefix(CHANNEL_PREFIX))
                 if sent is not None:
                     watches += sent.watches
@@ -430,8 +435,7 @@ class CallWatcher:
                 orphaned = self._trim()
             for watch in woken:
                 watch.wake(message)
-            for watch in orphaned:
-                watch.wake()
+            _wake_all(orphaned)
             return
         with self._lock:
             if session_id not in self._sessions:
@@ -443,8 +447,7 @@ class CallWatcher:
             # its confirmation may have ended unheard. Those waiters read the store.
             self._sessions[session_id] = None
             orphaned = self._sent_in({session_id})
-        for watch in orphaned:
-            watch.wake()
+        _wake_all(orphaned)
 
     # -- the watcher's thread -------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ while the error is one a retry can cure.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -36,11 +37,9 @@ from dex_tasks.store.connections import (
 )
 from dex_tasks.store.driver import run_text
 from dex_tasks.store.held import HeldConnection
+from dex_tasks.store.records import RECORD_COLUMNS
 from dex_tasks.store.refusals import refusal
-from dex_tasks.store.tables import CALLS, STORE_NOW
-
-# The calls table's columns, by name: an ended row handed to waiters holds them all.
-CALL_COLUMNS = tuple(c.name for c in CALLS.c)
+from dex_tasks.store.tables import STORE_NOW
 
 log = logging.getLogger("dex_tasks.store")
 
@@ -62,9 +61,12 @@ class EndedCall:
     status: CallStatus
     created_at: float
     finished_at: float
-    record: dict[str, Any] | None = None
-    """The ended row (every column), when the statement that ended it returned it: what the
-    notification that wakes its waiters hands them (``broker/ended.py``)."""
+    record: str | None = None
+    """The ended call's record as JSON text (its :data:`~dex_tasks.store.records.RECORD_COLUMNS`),
+    when the statement that ended it returned them: what the notification that wakes its
+    waiters hands them, signed as it is (``broker/ended.py``)."""
+    worker: str | None = None
+    """The worker the ended row names (the attempt that ended it), if any."""
 
 
 EndedHook = Callable[[Sequence[EndedCall]], None]
@@ -93,29 +95,38 @@ def note_ended(conn: Connection, key: str, to: CallStatus, row: Any, now: float)
     if ended is not None:
         ended.append(EndedCall(key=key, session_id=row.session_id, tool=row.tool,
                                effect=row.effect, status=to, created_at=row.created_at,
-                               finished_at=now, record=_whole_row(row)))
+                               finished_at=now, record=_record_text(row),
+                               worker=row.worker))
 
 
-def _whole_row(row: Any) -> dict[str, Any] | None:
-    """Every column of the calls table from ``row``, or None if it lacks some."""
+def _record_text(row: Any) -> str | None:
+    """The ended call's record as JSON text: the text the statement built (PostgreSQL's
+    one-statement move returns it as ``record``, ``moves.single_statement``), or the record's
+    columns of a whole row written out; None if ``row`` has neither."""
     fields = getattr(row, "_fields", None)
     if fields is not None:
         # A returned row's type says once which columns all its rows have (every ending of
         # a worker asks this of a row of the same type).
-        if not _has_every_column(fields):
+        kind = _record_kind(fields)
+        if kind == "text":
+            return row.record  # type: ignore[no-any-return]
+        if kind is None:
             return None
         mapping = row._mapping
-        return {name: mapping[name] for name in CALL_COLUMNS}
-    mapping = getattr(row, "_mapping", None)
-    if mapping is None or any(name not in mapping for name in CALL_COLUMNS):
-        return None
-    return {name: mapping[name] for name in CALL_COLUMNS}
+    else:
+        mapping = getattr(row, "_mapping", None)
+        if mapping is None or any(name not in mapping for name in RECORD_COLUMNS):
+            return None
+    return json.dumps({name: mapping[name] for name in RECORD_COLUMNS})
 
 
 @functools.lru_cache(maxsize=64)
-def _has_every_column(fields: tuple[str, ...]) -> bool:
-    """Whether a row with these column names has every column of the calls table."""
-    return set(CALL_COLUMNS) <= set(fields)
+def _record_kind(fields: tuple[str, ...]) -> str | None:
+    """How a row with these column names holds its call's record: as JSON text ("text"),
+    as columns ("columns"), or not at all (None)."""
+    if "record" in fields:
+        return "text"
+    return "columns" if set(RECORD_COLUMNS) <= set(fields) else None
 
 
 class StoreBase:

@@ -61,7 +61,7 @@ class ToolCallRecord(BaseModel):
     @classmethod
     def from_row(cls, row: ToolCallRow) -> ToolCallRecord:
         """Build the view from a store row."""
-        return cls.from_mapping({name: getattr(row, name, None) for name in _RECORD_COLUMNS})
+        return cls.from_mapping({name: getattr(row, name, None) for name in RECORD_COLUMNS})
 
     @classmethod
     def from_mapping(cls, row: Mapping[str, Any]) -> ToolCallRecord:
@@ -91,11 +91,12 @@ class ToolCallRecord(BaseModel):
         )
 
 
-# The columns of a call that its record shows.
-_RECORD_COLUMNS = ("key", "session_id", "turn_id", "tool_call_id", "tool", "arguments", "effect",
-                   "requires_approval", "status", "result", "error", "attempts", "max_attempts",
-                   "interrupt_id", "created_at", "finished_at", "original_arguments",
-                   "approval_rule")
+RECORD_COLUMNS = ("key", "session_id", "turn_id", "tool_call_id", "tool", "arguments", "effect",
+                  "requires_approval", "status", "result", "error", "attempts", "max_attempts",
+                  "interrupt_id", "created_at", "finished_at", "original_arguments",
+                  "approval_rule")
+"""The columns of a call that its record shows: what :meth:`ToolCallRecord.from_mapping`
+reads, and what the ended record handed to waiters holds (``EndedCall.record``)."""
 
 
 def _json_or_none(text: str | None) -> Any:
