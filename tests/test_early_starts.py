@@ -184,6 +184,24 @@ def test_a_failed_read_takes_the_start_back(rt: Runtime,
     _nothing_in_redis(rt, key)
 
 
+def test_checks_that_fail_unexpectedly_take_the_start_back(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a tool whose validation fails with an error that is not InvalidArguments
+    key = _call(rt)
+    tool = claiming.get_local_tool(TOOL)
+    assert tool is not None
+
+    def broken(_arguments: Any) -> Any:
+        raise RuntimeError("a validator with a bug")
+
+    monkeypatch.setattr(tool, "validate", broken)
+    with pytest.raises(RuntimeError):
+        claim_leased(rt, key, "node-a:1", TOOL)
+
+    # Then the error goes up as before, and no lease is left for the reaper to count
+    _nothing_in_redis(rt, key)
+
+
 def test_undo_start_takes_back_only_that_attempt(rt: Runtime) -> None:
     runs = Runs(rt.redis)
     key = f"s/t/undo-{time.time_ns()}"

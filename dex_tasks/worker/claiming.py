@@ -28,8 +28,6 @@ from dex_tasks.worker.task_states import Outcome
 log = logging.getLogger("dex_tasks.worker.execution")
 
 
-
-
 class _CannotRun(Exception):
     """The claimed call cannot run here: its claim is rolled back and the call is ended."""
 
@@ -102,7 +100,6 @@ def _before_claim(row: Any) -> ToolCallRow:
         "worker": None, "lease_expires_at": None, "prev_status": None})
 
 
-
 Leased = tuple[ToolCallRow, Any, dict[str, Any], Attempt]
 
 # The effect class and most attempts of each tool whose queued call this process has read: the
@@ -166,7 +163,13 @@ def claim_leased(rt: Runtime, key: str, owner: str,
         # Not run (Redis had to load the script, or counted every attempt), or another attempt
         # holds the call: the steps above, whose own start says so again.
         return _start(rt, key, owner, call, now)
-    started = _as_started(call, owner, now, number, tool, effect)
+    try:
+        started = _as_started(call, owner, now, number, tool, effect)
+    except BaseException:
+        # The checks failed in a way the steps above would not catch either: no lease is
+        # left behind for the reaper to count as a lost attempt.
+        _undo(rt, key, owner, number)
+        raise
     if started is not None:
         return started
     _undo(rt, key, owner, number)
