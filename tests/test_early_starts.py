@@ -14,6 +14,7 @@ import workers.example_tools  # noqa: F401 - registers lookup_order in this proc
 from dex_tasks import CallStatus, DexSettings
 from dex_tasks.broker import runs as runs_module
 from dex_tasks.broker.runs import BUSY, RUNS_KEY, Runs, attempts_key, run_key
+from dex_tasks.registry import get_local_tool
 from dex_tasks.worker import claiming
 from dex_tasks.worker.claiming import claim_leased
 from dex_tasks.worker.endings import finish
@@ -188,7 +189,7 @@ def test_checks_that_fail_unexpectedly_take_the_start_back(
         rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     # Given a tool whose validation fails with an error that is not InvalidArguments
     key = _call(rt)
-    tool = claiming.get_local_tool(TOOL)
+    tool = get_local_tool(TOOL)
     assert tool is not None
 
     def broken(_arguments: Any) -> Any:
