@@ -52,7 +52,7 @@ from bench.infra import READ_TOOL, BenchError, bench_session, fresh_store, media
 from dex_tasks import DexSettings
 from dex_tasks.broker.announce import EndedNotifier
 from dex_tasks.broker.celery_app import RUN_RETRYING, create_app
-from dex_tasks.broker.runs import Runs
+from dex_tasks.broker.runs import PendingStart, Runs
 from dex_tasks.store import Store, base, driver
 from dex_tasks.worker.main_process import register_tasks
 from dex_tasks.worker.runtime import runtime
@@ -123,7 +123,10 @@ def _calls(store: Store, count: int) -> list[str]:
 def _dex_round(task: Task, keys: Sequence[str]) -> dict[str, float]:
     clock = Clock()
     statements, transaction = ENDING_PARTS
+    # A live delivery names its tool (the shadow name), so its attempt's start is sent before
+    # the read and its reply read after (``claiming.claim_leased``): both count as the lease.
     targets = [(Store, "get_call", "read"), (Runs, "start", "lease"),
+               (Runs, "start_later", "lease"), (PendingStart, "number", "lease"),
                (Store, "transition", "ending"), (EndedNotifier, "__call__", "announcement"),
                (driver, "run", statements, "ending"), (driver, "run_many", statements, "ending"),
                *((owner, name, transaction, "ending") for owner, name in TRANSACTION_CALLS)]
@@ -133,7 +136,7 @@ def _dex_round(task: Task, keys: Sequence[str]) -> dict[str, float]:
             # The request a worker's trace pushes around the body (not timed: the floor's
             # task has one too, and its call here is timed without).
             task.push_request(hostname=OWNER_HOST, id=str(uuid.uuid4()), retries=0,
-                              delivery_info={})
+                              delivery_info={}, shadow=f"{RUN_RETRYING}[{READ_TOOL}]")
             try:
                 started = time.process_time()
                 task.run(key)
