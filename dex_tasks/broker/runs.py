@@ -325,10 +325,6 @@ class PendingStart:
             return None
         return None if isinstance(reply, list) else int(reply)
 
-    def drop(self) -> None:
-        """Give up the reply (its connection is closed): the start may have run."""
-        self._pending.drop()
-
 
 def _key(row: Any) -> str:
     return str(row.key)
