@@ -51,7 +51,7 @@ from bench.driver import call_row
 from bench.infra import READ_TOOL, BenchError, bench_session, fresh_store, median, save_results
 from dex_tasks import DexSettings
 from dex_tasks.broker.announce import EndedNotifier
-from dex_tasks.broker.celery_app import RUN_RETRYING, create_app
+from dex_tasks.broker.celery_app import RUN_RETRYING, create_app, shadow_name
 from dex_tasks.broker.runs import PendingStart, Runs
 from dex_tasks.store import Store, base, driver
 from dex_tasks.worker.main_process import register_tasks
@@ -136,7 +136,7 @@ def _dex_round(task: Task, keys: Sequence[str]) -> dict[str, float]:
             # The request a worker's trace pushes around the body (not timed: the floor's
             # task has one too, and its call here is timed without).
             task.push_request(hostname=OWNER_HOST, id=str(uuid.uuid4()), retries=0,
-                              delivery_info={}, shadow=f"{RUN_RETRYING}[{READ_TOOL}]")
+                              delivery_info={}, shadow=shadow_name(RUN_RETRYING, READ_TOOL))
             try:
                 started = time.process_time()
                 task.run(key)

@@ -201,7 +201,7 @@ def _wait(client: DexClient, keys: list[str]) -> None:
 def in_process(redis_server: RedisServer, stores: list[str], postgres_url: str | None,
                calls: int, workdir: Path) -> list[Phase]:
     from dex_tasks import registry
-    from dex_tasks.broker.celery_app import RUN_RETRYING
+    from dex_tasks.broker.celery_app import RUN_RETRYING, shadow_name
     from dex_tasks.worker import execution
 
     if registry.get_local_tool(READ_TOOL) is not None:
@@ -233,7 +233,7 @@ def in_process(redis_server: RedisServer, stores: list[str], postgres_url: str |
             bodies: dict[str, Callable[[Any, str], None]] = {
                 "read": execution.run_retrying, "single": execution.run_single_attempt}
             for path, tool in TOOLS.items():
-                task.request.shadow = f"{RUN_RETRYING}[{tool}]" if path == "read" else None
+                task.request.shadow = shadow_name(RUN_RETRYING, tool) if path == "read" else None
                 phases.append(worker_measure.run(kind, path, "worker task body", calls, partial(
                     _work, bodies[path], task, keys[path])))
                 phases.append(measure.run(kind, path, "wait (already terminal)", calls, partial(

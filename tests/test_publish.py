@@ -22,7 +22,15 @@ from celery import Celery
 from kombu.exceptions import OperationalError
 
 from dex_tasks import DexSettings
-from dex_tasks.broker.celery_app import create_app, publish, soft_limit, task_name_for
+from dex_tasks.broker.celery_app import (
+    RUN_RETRYING,
+    RUN_SINGLE_ATTEMPT,
+    create_app,
+    publish,
+    soft_limit,
+    task_name_for,
+    tool_of_shadow,
+)
 from dex_tasks.broker.routing import queue_for
 from dex_tasks.policy import EffectClass
 from dex_tasks.store.models import ToolCallRow
@@ -175,6 +183,20 @@ def test_a_calls_message_is_the_one_send_task_sent(app: Celery, queues: redis.Re
     if call.trace_context is not None:
         assert headers[TRACEPARENT] == TRACE
         assert abs(float(headers[SENT_AT]) - time.time()) < 60
+
+
+def test_the_tool_a_messages_shadow_name_names_is_read_back(app: Celery,
+                                                           queues: redis.Redis) -> None:
+    # Given calls of both task kinds, one whose tool name holds brackets of its own
+    for effect, tool in (("read", "lookup"), ("non_idempotent_write", "refund[eu]")):
+        call = a_call(f"k-shadow-{effect}", effect=effect, tool=tool)
+        publish(app, call)
+        # Then the tool read back from the message's shadow name is the call's
+        assert tool_of_shadow(taken(queues, call)["headers"]["shadow"]) == tool
+    # And a name that is not a call's names no tool
+    for other in (None, "", RUN_RETRYING, f"{RUN_RETRYING}[]", f"{RUN_SINGLE_ATTEMPT}[x",
+                  "dex.sweep[x]", "celery.chord_unlock"):
+        assert tool_of_shadow(other) is None, other
 
 
 def test_a_publish_to_an_unreachable_broker_raises_kombus_error_within_its_timeout(

@@ -155,6 +155,21 @@ def task_name_for(effect: EffectClass) -> str:
     return RUN_RETRYING if effect.retrying else RUN_SINGLE_ATTEMPT
 
 
+def shadow_name(task_name: str, tool: str) -> str:
+    """The name a call's message shows in place of its task kind's (Flower, worker logs,
+    spans): ``dex.call_tool[lookup_order]``."""
+    return f"{task_name}[{tool}]"
+
+
+def tool_of_shadow(shadow: str | None) -> str | None:
+    """The tool a message's :func:`shadow_name` names, or None for any other name."""
+    if shadow and shadow.endswith("]"):
+        task_name, bracket, tool = shadow[:-1].partition("[")
+        if bracket and tool and task_name in (RUN_RETRYING, RUN_SINGLE_ATTEMPT):
+            return tool
+    return None
+
+
 def publish(app: Celery, call: ToolCallRow, *, countdown: float | None = None,
             producer: Any = None) -> None:
     """Send the message that makes a worker run ``call``. Raises if the broker is unreachable.
@@ -190,7 +205,7 @@ def publish(app: Celery, call: ToolCallRow, *, countdown: float | None = None,
         soft_limit(call.time_limit) if call.time_limit else None,
         sending.sent_event, root_id, parent_id,
         # Shown by Flower and worker logs instead of the generic task name.
-        f"{name}[{call.tool}]", None,
+        shadow_name(name, call.tool), None,
         origin=sending.origin(), ignore_result=None, argsrepr=repr(args), kwargsrepr="{}")
     options: dict[str, Any] = {
         "queue": queue_for(call.tool),

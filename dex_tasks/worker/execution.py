@@ -32,7 +32,7 @@ import logging
 import redis
 from celery import Task
 
-from dex_tasks.broker.celery_app import RUN_RETRYING
+from dex_tasks.broker.celery_app import tool_of_shadow
 from dex_tasks.worker import claims
 from dex_tasks.worker import spans as worker_spans
 from dex_tasks.worker.attempts import run_attempt
@@ -61,7 +61,7 @@ def run_retrying(task: Task, key: str) -> None:
     rt = runtime(task.app)
     request = task.request
     owner = current_owner(request.hostname)
-    leased = claim_leased(rt, key, owner, _shadow_tool(request.shadow))
+    leased = claim_leased(rt, key, owner, tool_of_shadow(request.shadow))
     worker_spans.claimed(leased)
     if not isinstance(leased, tuple):
         _report_unclaimed(task, key, leased)
@@ -70,17 +70,6 @@ def run_retrying(task: Task, key: str) -> None:
     outcome = run_attempt(rt, call, tool, arguments, attempt, retrying=True)
     worker_spans.ended(outcome)
     report(task, call, outcome)
-
-
-_SHADOW_PREFIX = RUN_RETRYING + "["
-
-
-def _shadow_tool(shadow: str | None) -> str | None:
-    """The tool a retrying call's message names (``publish`` gives it the shadow name
-    ``dex.call_tool[<tool>]``), or None."""
-    if shadow and shadow.startswith(_SHADOW_PREFIX) and shadow.endswith("]"):
-        return shadow[len(_SHADOW_PREFIX):-1]
-    return None
 
 
 def _claim_and_run(task: Task, rt: Runtime, key: str, owner: str) -> None:

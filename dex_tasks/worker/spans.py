@@ -19,6 +19,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from dex_tasks import tracing
+from dex_tasks.broker.celery_app import tool_of_shadow
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -88,8 +89,7 @@ def _start(task: Any) -> None:
     key = str(request.args[0]) if request.args else ""
     # The shadow name says which tool (``dex.call_tool[lookup_order]``) before the claim reads
     # the call; the claim sets it from the call itself.
-    shadow = getattr(request, "shadow", None) or ""
-    tool = shadow.partition("[")[2].rstrip("]") or "call"
+    tool = tool_of_shadow(getattr(request, "shadow", None)) or "call"
     headers = request.headers or {}
     parent = tracing.parent_context(headers.get(tracing.TRACEPARENT)
                                     or getattr(request, tracing.TRACEPARENT, None))
