@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
@@ -29,12 +30,24 @@ log = logging.getLogger("dex_tasks.worker.execution")
 
 
 class _CannotRun(Exception):
-    """The claimed call cannot run here: its claim is rolled back and the call is ended."""
+    """The call cannot run here: any claim or start is undone and :meth:`end` ends the call
+    (or, with no call, counts the delivery a duplicate)."""
 
-    def __init__(self, why: str, call: ToolCallRow) -> None:
+    def __init__(self, why: str, call: ToolCallRow | None, *, exhausted: bool = False) -> None:
         super().__init__(why)
         self.why = why
         self.call = call
+        self.exhausted = exhausted
+
+    def end(self, rt: Runtime, key: str) -> Outcome | None:
+        """End the call "did not run" (or as if its attempts ran out); None for a duplicate."""
+        if self.call is None:
+            log.info("duplicate delivery ignored", extra={"action": "duplicate_delivery",
+                                                          "key": key})
+            return None
+        if self.exhausted:
+            return exhausted_before_claim(rt, self.call, self.why)
+        return end_unstarted(rt, self.call, self.why)
 
 
 Claimed = tuple[ToolCallRow, Any, dict[str, Any]]
@@ -70,7 +83,7 @@ def claim(rt: Runtime, key: str, owner: str) -> Claimed | Outcome | None:
     try:
         claimed = rt.store.claim(key, owner, rt.settings.lease_seconds, vet, now=now)
     except _CannotRun as refused:
-        return end_unstarted(rt, refused.call, refused.why)
+        return refused.end(rt, key)
     if claimed is None:
         return _not_claimed(rt, key, now)
     row, (tool, arguments) = claimed
@@ -135,26 +148,26 @@ def claim_leased(rt: Runtime, key: str, owner: str,
     now = time.time()
     seen = _SEEN.get(tool) if tool is not None else None
     effect = seen[0] if seen is not None else None
-    early: PendingStart | None = None
+    pending: PendingStart | None = None
     if tool is not None and seen is not None:
         try:
-            early = rt.runs.start_later(
+            pending = rt.runs.start_later(
                 key, owner, max_attempts=seen[1], lease_seconds=rt.settings.lease_seconds,
                 started=now, ttl=rt.settings.claim_ttl_seconds, tool=tool, effect=seen[0])
         except redis.RedisError:
-            early = None  # not sent, so it did not run: the steps above try again
+            pending = None  # not sent, so it did not run: the steps above try again
     try:
         call = rt.store.get_call(key)
     except BaseException:
-        if early is not None:
-            _take_back(rt, key, owner, early)
+        if pending is not None:
+            _take_back(rt, key, owner, pending)
         raise
     if call is not None and call.status == CallStatus.QUEUED.value:
         _SEEN[call.tool] = (call.effect, call.max_attempts)
-    if early is None:
+    if pending is None:
         return _start(rt, key, owner, call, now)
     try:
-        number = early.number()
+        number = pending.number()
     except redis.RedisError:
         # Its reply was lost: it may have run. As a start that failed, once the call is
         # checked (a lease left behind lapses; the reaper then finds what became of the call).
@@ -163,39 +176,23 @@ def claim_leased(rt: Runtime, key: str, owner: str,
         # Not run (Redis had to load the script, or counted every attempt), or another attempt
         # holds the call: the steps above, whose own start says so again.
         return _start(rt, key, owner, call, now)
-    try:
-        started = _as_started(call, owner, now, number, tool, effect)
-    except BaseException:
-        # The checks failed in a way the steps above would not catch either: no lease is
-        # left behind for the reaper to count as a lost attempt.
-        _undo(rt, key, owner, number)
-        raise
-    if started is not None:
-        return started
-    _undo(rt, key, owner, number)
-    return _start(rt, key, owner, call, now)
+    return _start(rt, key, owner, call, now, early=_Early(number, tool, effect))
 
 
-def _as_started(call: ToolCallRow | None, owner: str, now: float, number: int,
-                tool: str | None, effect: str | None) -> Leased | None:
-    """The call as attempt ``number`` (started before it was read) runs it, with its tool,
-    arguments and attempt; None unless that start is exactly the one :func:`_start` would
-    make."""
-    if (call is None or call.status != CallStatus.QUEUED.value or call.tool != tool
-            or call.effect != effect or not call.attempts < number <= call.max_attempts
-            or (call.expires_at is not None and now > call.expires_at)):
-        return None
-    local_tool = get_local_tool(call.tool)
-    if local_tool is None:
-        return None
-    try:
-        arguments = local_tool.validate(json.loads(call.arguments))
-    except InvalidArguments:
-        return None
-    running = call.model_copy(update={"status": CallStatus.RUNNING.value, "attempts": number,
-                                      "worker": owner})
-    return running, local_tool, arguments, Attempt(owner, number, stored=call.attempts,
-                                                    started=now)
+@dataclass(frozen=True)
+class _Early:
+    """An attempt started before its call was read: its number, and the tool and effect of the
+    call it was started for."""
+
+    number: int
+    tool: str | None
+    effect: str | None
+
+    def fits(self, call: ToolCallRow) -> bool:
+        """Whether it is exactly the start :func:`_start` would make for ``call`` (a call
+        already checked: queued, unexpired, an attempt left, its arguments valid)."""
+        return (call.tool == self.tool and call.effect == self.effect
+                and call.attempts < self.number <= call.max_attempts)
 
 
 def _undo(rt: Runtime, key: str, owner: str, number: int) -> None:
@@ -209,54 +206,76 @@ def _undo(rt: Runtime, key: str, owner: str, number: int) -> None:
                                            "error": str(err)[:200]})
 
 
-def _take_back(rt: Runtime, key: str, owner: str, early: PendingStart) -> None:
+def _take_back(rt: Runtime, key: str, owner: str, pending: PendingStart) -> None:
     """The call's read failed: take back the start sent before it, if it ran."""
     try:
-        number = early.number()
+        number = pending.number()
     except redis.RedisError:
         return  # it may have run: its lease lapses
     if number is not None and number > 0:
         _undo(rt, key, owner, number)
 
 
-def _start(rt: Runtime, key: str, owner: str, call: ToolCallRow | None, now: float, *,
-           start_failed: bool = False) -> Leased | Outcome | None:
-    """:func:`claim_leased`'s steps on the call as read; ``start_failed``: its start was sent
-    and its reply lost, which counts as ``Runs.start`` failing."""
+def _checked(call: ToolCallRow | None, now: float) -> tuple[ToolCallRow, Any, dict[str, Any]]:
+    """The checks before a queued call's attempt starts: the call, its tool and its validated
+    arguments; :class:`_CannotRun` for a call that is not queued (a duplicate delivery) or
+    must end "did not run" (or as if its attempts ran out)."""
     if call is None or call.status != CallStatus.QUEUED.value:
-        log.info("duplicate delivery ignored", extra={"action": "duplicate_delivery",
-                                                      "key": key})
-        return None
+        raise _CannotRun("not queued", None)
     if call.expires_at is not None and now > call.expires_at:
-        return end_unstarted(rt, call, "it expired in the queue before a worker started it")
+        raise _CannotRun("it expired in the queue before a worker started it", call)
     if call.attempts >= call.max_attempts:
-        return exhausted_before_claim(
-            rt, call, f"the worker was lost during each of the {call.attempts} attempts")
+        raise _CannotRun(f"the worker was lost during each of the {call.attempts} attempts",
+                         call, exhausted=True)
     tool = get_local_tool(call.tool)
     if tool is None:
-        return end_unstarted(rt, call, f"no worker that took it has the tool {call.tool!r}")
+        raise _CannotRun(f"no worker that took it has the tool {call.tool!r}", call)
     try:
-        arguments = tool.validate(json.loads(call.arguments))
+        return call, tool, tool.validate(json.loads(call.arguments))
     except InvalidArguments as err:
-        return end_unstarted(rt, call, str(err))
+        raise _CannotRun(str(err), call) from None
+
+
+def _start(rt: Runtime, key: str, owner: str, call: ToolCallRow | None, now: float, *,
+           early: _Early | None = None, start_failed: bool = False) -> Leased | Outcome | None:
+    """:func:`claim_leased`'s steps on the call as read. ``early``: an attempt started before
+    the read, kept if it :meth:`~_Early.fits` the call and otherwise taken back before
+    anything else (a call that cannot run, or a check that fails unexpectedly, leaves no
+    lease for the reaper to count as a lost attempt). ``start_failed``: the start was sent and
+    its reply lost, which counts as ``Runs.start`` failing."""
+    try:
+        call, tool, arguments = _checked(call, now)
+    except BaseException as refused:
+        if early is not None:
+            _undo(rt, key, owner, early.number)
+        if isinstance(refused, _CannotRun):
+            return refused.end(rt, key)
+        raise
+    if early is not None and not early.fits(call):
+        _undo(rt, key, owner, early.number)
+        early = None
     if start_failed:
         message_lost(rt, key, "run_start_failed")
         return None
-    try:
-        number, counted = rt.runs.start(
-            key, owner, stored_attempts=call.attempts, max_attempts=call.max_attempts,
-            lease_seconds=rt.settings.lease_seconds, started=now,
-            ttl=rt.settings.claim_ttl_seconds, tool=call.tool, effect=call.effect)
-    except redis.RedisError:
-        message_lost(rt, key, "run_start_failed")
-        return None
-    if number == BUSY:
-        log.info("duplicate delivery ignored (another attempt runs)",
-                 extra={"action": "duplicate_delivery", "key": key})
-        return None
-    if number == 0:
-        return exhausted_before_claim(
-            rt, call, f"the worker was lost during each of the {counted} attempts", counted)
+    if early is not None:
+        number = early.number
+    else:
+        try:
+            number, counted = rt.runs.start(
+                key, owner, stored_attempts=call.attempts, max_attempts=call.max_attempts,
+                lease_seconds=rt.settings.lease_seconds, started=now,
+                ttl=rt.settings.claim_ttl_seconds, tool=call.tool, effect=call.effect)
+        except redis.RedisError:
+            message_lost(rt, key, "run_start_failed")
+            return None
+        if number == BUSY:
+            log.info("duplicate delivery ignored (another attempt runs)",
+                     extra={"action": "duplicate_delivery", "key": key})
+            return None
+        if number == 0:
+            return exhausted_before_claim(
+                rt, call, f"the worker was lost during each of the {counted} attempts",
+                counted)
     running = call.model_copy(update={"status": CallStatus.RUNNING.value, "attempts": number,
                                       "worker": owner})
     return running, tool, arguments, Attempt(owner, number, stored=call.attempts, started=now)
