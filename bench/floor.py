@@ -20,7 +20,8 @@ own prefork ``-c 2`` worker at ``-l warning``, alternating round by round:
 Throughput is DESIGN's: one producer sends 2,000 calls (a hundred calls and turns in each of
 20 sessions), then waits for each in order; CPU per call is taken by process from
 ``/proc/<pid>/stat`` (the database server with its backends on a private PostgreSQL). Then the
-same six one call at a time, interleaved, p50 by the caller's clock.
+same six one call at a time, interleaved so that no call follows one on its own worker
+(:data:`ONE_AT_A_TIME`), p50 by the caller's clock.
 
 What lies between Celery and the floor is what the contract's store and Redis work costs,
 whoever writes it; what lies between the floor and dex-tasks is dex-tasks' own code (its
@@ -84,6 +85,13 @@ FLOORS = {"floor": (False, True), "narrow": (True, True), "noread": (False, Fals
           "lean": (True, False)}
 FLOOR_DB = 3  # the private Redis's database of the floor's broker and announcements
 CPU_GROUPS = ("producer", "worker main", "children", "redis", "database", "total")
+# One call at a time, each measured call right after a call on another worker (the four
+# floors share one): a worker that has just run a call starts the next one 0.25-0.3 ms
+# sooner, in its main process and its child alike (warm caches and cores, most likely), which
+# made "to the worker" of the floors that followed one another on their worker 0.3-0.4 ms
+# shorter than dex-tasks', whose worker had sat idle for five calls (issue 29). Celery and
+# dex-tasks run twice a turn to keep the floors apart.
+ONE_AT_A_TIME = ("raw", "noread", "dex", "floor", "raw", "narrow", "dex", "lean")
 
 
 @dataclass
@@ -237,17 +245,25 @@ def run_store(fb: FloorBench, kind: str, shape: Shape, rounds: int, warmup: int,
     if latency_calls:
         say(f"{kind}: one call at a time")
     for i in range(latency_calls + 5):  # the first five warm each path
-        one["raw"].append(one_raw(fb.bench)[1])
-        for variant in keys:
+        for turn, variant in enumerate(ONE_AT_A_TIME):
+            warm_up = i < 5
+            if variant == "raw":
+                total = one_raw(fb.bench)[1]
+                if not warm_up:
+                    one["raw"].append(total)
+                continue
             sent_at = time.time()
-            send, total = (one_dex(fb.bench, "read", f"one-{kind}", i, keys[variant])
-                           if variant == "dex" else one_floor(fb, i, keys[variant], variant))
-            one[variant].append(total)
-            timeline[variant].append((sent_at, sent_at + send, sent_at + total))
-    one = {v: samples[5:] for v, samples in one.items()}
+            mine: list[str] = [] if warm_up else keys[variant]
+            # Each turn of a variant in the order its own calls (a repeated id would be a
+            # repeat of the call, which runs nothing).
+            send, total = (one_dex(fb.bench, "read", f"one-{kind}-{turn}", i, mine)
+                           if variant == "dex" else one_floor(fb, i, mine, variant))
+            if not warm_up:
+                one[variant].append(total)
+                timeline[variant].append((sent_at, sent_at + send, sent_at + total))
     # Where each one's time goes, from the events its ending wrote (the narrow endings write
     # no start event).
-    phases = {v: workload_phases(fb.bench, keys[v][5:], timeline[v][5:])
+    phases = {v: workload_phases(fb.bench, keys[v], timeline[v])
               for v in ("floor", "noread", "dex") if latency_calls}
     return summarize(kind, runs, one, phases)
 

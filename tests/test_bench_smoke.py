@@ -394,6 +394,22 @@ def test_floor_runs_celery_the_contracts_floor_and_dex_tasks_side_by_side(
         assert list(phases) == list(PHASES) and phases["call_tool"] > 0, phases
 
 
+def test_floor_measures_each_call_alone_after_another_workers_call() -> None:
+    """A worker that has just run a call starts the next one sooner: in ``bench floor``'s
+    one-call-at-a-time part no call follows one on its own worker (the floors share one),
+    even from one turn to the next, and every variant is measured."""
+    from bench.floor import FLOORS, ONE_AT_A_TIME, VARIANTS
+
+    def worker(variant: str) -> str:
+        return "floor" if variant in FLOORS else variant
+
+    assert set(ONE_AT_A_TIME) == set(VARIANTS)
+    previous = ONE_AT_A_TIME[-1]  # the last call of the turn before
+    for variant in ONE_AT_A_TIME:
+        assert worker(variant) != worker(previous), (previous, variant)
+        previous = variant
+
+
 def test_the_floor_writes_the_rows_the_store_writes_for_a_call(database_url: str) -> None:
     """The floor is only a floor if it does the store's work: the same rows, events and tool
     message for a call requested, read and ended (the store's leased ending, as a worker's
