@@ -750,6 +750,27 @@ def test_a_late_publish_mark_never_moves_a_later_publish_time_back(store: Store)
     assert call is not None and (call.published_at, call.republishes) == (sent + 10.0, 1)
 
 
+def test_publish_marks_of_any_number_of_calls_are_one_statement_on_postgres(
+    store: Store,
+) -> None:
+    if store.is_sqlite:
+        pytest.skip("PostgreSQL's marks bind their keys as one array; SQLite's list them")
+    # Given queued calls recorded with no publish time
+    keys = [f"s/t/p{i}" for i in range(4)]
+    for key in keys:
+        assert store.insert_call(call_row(key, published_at=None))
+    with _statements(store.engine, "UPDATE DEX_TOOL_CALLS SET PUBLISHED_AT") as seen:
+        # When one, then three of them are marked published, as the marks thread writes them
+        store.mark_published(keys[:1], 10.0)
+        store.mark_published(keys[1:], 20.0)
+    # Then both writes are the same statement text (compiled once, prepared once on the
+    # server: an IN list was a new text for each number of keys, compiled on every write)
+    assert len(seen) == 2 and seen[0][0] == seen[1][0]
+    # and each call has its mark
+    rows = store.get_calls(keys)
+    assert [rows[k].published_at for k in keys] == [10.0, 20.0, 20.0, 20.0]
+
+
 def test_a_publish_mark_lands_within_the_linger_without_a_flush(store: Store) -> None:
     from dex_tasks.store.calls import UNSENT_GRACE_SECONDS
     from dex_tasks.store.leases import MARKS_LINGER_SECONDS
