@@ -7,7 +7,8 @@ fresh store, and the floor's (``floor_tasks.floor_call``) on calls of the same k
 alternating round by round. Each piece is timed by this process's CPU (``time.process_time``)
 around the function that does it:
 
-* ``read``: the call's read (``Store.get_call``; the floor's ``Floor.read``);
+* ``read``: the call's read (``Store.get_call_columns``, or ``Store.get_call``; the floor's
+  ``Floor.read``);
 * ``lease``: the attempt's lease in Redis (``Runs.start``; the floor's ``SET``);
 * ``ending``: the ending's store write, its after-commit hooks left out (``Store.transition``
   less the announcement; ``Floor.end``), and for dex-tasks two parts of it: its statements
@@ -125,7 +126,8 @@ def _dex_round(task: Task, keys: Sequence[str]) -> dict[str, float]:
     statements, transaction = ENDING_PARTS
     # A live delivery names its tool (the shadow name), so its attempt's start is sent before
     # the read and its reply read after (``claiming.claim_leased``): both count as the lease.
-    targets = [(Store, "get_call", "read"), (Runs, "start", "lease"),
+    targets = [(Store, "get_call", "read"), (Store, "get_call_columns", "read"),
+               (Runs, "start", "lease"),
                (Runs, "start_later", "lease"), (PendingStart, "number", "lease"),
                (Store, "transition", "ending"), (EndedNotifier, "__call__", "announcement"),
                (driver, "run", statements, "ending"), (driver, "run_many", statements, "ending"),

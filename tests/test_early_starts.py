@@ -178,7 +178,7 @@ def test_a_failed_read_takes_the_start_back(rt: Runtime,
     def unreachable(_key: str) -> Any:
         raise ConnectionError("the store is away")
 
-    monkeypatch.setattr(rt.store, "get_call", unreachable)
+    monkeypatch.setattr(rt.store, "get_call_columns", unreachable)
     with pytest.raises(ConnectionError):
         claim_leased(rt, key, "node-a:1", TOOL)
 

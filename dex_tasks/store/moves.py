@@ -210,12 +210,24 @@ def _record_json(moved: Any) -> Any:
     return cast(func.json_build_object(*pairs), Text).label("record")
 
 
+# What ``json.dumps(detail, default=str)`` writes, with its encoder made once: ``json.dumps``
+# makes one per call when given an option, and every ending writes one or two details. (An
+# encoder keeps no state between calls: one serves every thread.)
+_DETAIL = json.JSONEncoder(default=str)
+
+
+def detail_text(detail: Mapping[str, Any] | None, *, empty: str | None = None) -> str | None:
+    """An event's detail as the store holds it: its JSON text, or ``empty`` for no detail
+    (None, or an empty mapping)."""
+    return _DETAIL.encode(dict(detail)) if detail else empty
+
+
 def event_row(row: Any, to: CallStatus, detail: Mapping[str, Any] | None,
                now: float, from_status: str | None = None) -> dict[str, Any]:
     """The event row of one move: ``row`` is what its UPDATE returned."""
     return {"session_id": row.session_id, "key": row.key, "event": event_name(to),
             "from_status": from_status or row.prev_status, "to_status": to.value,
-            "detail": json.dumps(dict(detail), default=str) if detail else None,
+            "detail": detail_text(detail),
             "created_at": now}
 
 

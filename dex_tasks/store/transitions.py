@@ -22,7 +22,6 @@ event or tool message.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -51,6 +50,7 @@ from dex_tasks.store.delivery import (
     deliver_ready_messages,
 )
 from dex_tasks.store.moves import (
+    detail_text,
     event_row,
     returning,
     returning_one,
@@ -116,6 +116,15 @@ def _sources(what: str, to: CallStatus,
 
 
 
+def _has_clause(values: Mapping[str, Any]) -> bool:
+    """True if any of ``values`` is a SQL expression, not a plain value (a loop: the
+    generator ``any`` takes costs a frame resumption per value, on every move)."""
+    for value in values.values():
+        if isinstance(value, ClauseElement):
+            return True
+    return False
+
+
 class Transitions(StoreBase):
     """The guarded status changes of :class:`~dex_tasks.store.Store`."""
 
@@ -156,7 +165,7 @@ class Transitions(StoreBase):
             fields.setdefault("lease_expires_at", None)
         match = dict(match or {})
         params: dict[str, Any] | None = None
-        if not where and not any(isinstance(v, ClauseElement) for v in fields.values()):
+        if not where and not _has_clause(fields):
             # The common shape (plain values, equality guards): a statement built once per
             # shape and bound here costs a fraction of building one per call.
             matched, written = tuple(sorted(match)), tuple(sorted(fields))
@@ -169,7 +178,7 @@ class Transitions(StoreBase):
                 # One statement in autocommit (see _move_single), bound in this one dict.
                 if started is not None:
                     params["st_now"] = started.at
-                    params["st_detail"] = json.dumps(started.detail, default=str)
+                    params["st_detail"] = detail_text(started.detail, empty="{}")
                 return self._move_single(
                     single_statement(to, sources, matched, written,
                                      started=started is not None),
@@ -213,7 +222,7 @@ class Transitions(StoreBase):
         the session as the transaction form leaves it, its messages delivered."""
         # ``params`` is a dict the caller built for this move alone: completed in place.
         params["ev_now"] = now
-        params["ev_detail"] = json.dumps(dict(detail), default=str) if detail else None
+        params["ev_detail"] = detail_text(detail)
 
         def attempt(conn: Connection, n: int) -> Any | None:
             rows = driver.run(conn, stmt, params)

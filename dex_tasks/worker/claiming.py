@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -16,7 +17,7 @@ import redis
 from dex_tasks.broker.runs import BUSY, PendingStart
 from dex_tasks.registry import InvalidArguments, get_local_tool
 from dex_tasks.states import CallStatus
-from dex_tasks.store.models import ToolCallRow
+from dex_tasks.store.models import ToolCallRow, stored_call
 from dex_tasks.worker.endings import (
     Attempt,
     end_unstarted,
@@ -115,6 +116,11 @@ def _before_claim(row: Any) -> ToolCallRow:
 
 Leased = tuple[ToolCallRow, Any, dict[str, Any], Attempt]
 
+# The statuses as the store's rows hold them (plain text; an enum's ``.value`` is a Python-level
+# property, read on every delivery).
+_QUEUED = CallStatus.QUEUED.value
+_RUNNING = CallStatus.RUNNING.value
+
 # The effect class and most attempts of each tool whose queued call this process has read: the
 # start of an attempt sent before its call is read names the effect in the run (``/metrics``
 # counts running attempts by tool and effect) and starts no attempt past the most, and is
@@ -157,13 +163,17 @@ def claim_leased(rt: Runtime, key: str, owner: str,
         except redis.RedisError:
             pending = None  # not sent, so it did not run: the steps above try again
     try:
-        call = rt.store.get_call(key)
+        # The call's columns, not a ToolCallRow: the checks read a handful of them, and only
+        # the call as it runs (or as it ends, when it cannot run) is built as a model, once
+        # (a table model's copy and each of its attribute reads go through SQLAlchemy's
+        # instrumentation, about 10 µs a delivery for a row built only to be copied).
+        call = rt.store.get_call_columns(key)
     except BaseException:
         if pending is not None:
             _take_back(rt, key, owner, pending)
         raise
-    if call is not None and call.status == CallStatus.QUEUED.value:
-        _SEEN[call.tool] = (call.effect, call.max_attempts)
+    if call is not None and call["status"] == _QUEUED:
+        _SEEN[call["tool"]] = (call["effect"], call["max_attempts"])
     if pending is None:
         return _start(rt, key, owner, call, now)
     try:
@@ -188,11 +198,12 @@ class _Early:
     tool: str | None
     effect: str | None
 
-    def fits(self, call: ToolCallRow) -> bool:
-        """Whether it is exactly the start :func:`_start` would make for ``call`` (a call
-        already checked: queued, unexpired, an attempt left, its arguments valid)."""
-        return (call.tool == self.tool and call.effect == self.effect
-                and call.attempts < self.number <= call.max_attempts)
+    def fits(self, call: Mapping[str, Any]) -> bool:
+        """Whether it is exactly the start :func:`_start` would make for ``call`` (the columns
+        of a call already checked: queued, unexpired, an attempt left, its arguments
+        valid)."""
+        return bool(call["tool"] == self.tool and call["effect"] == self.effect
+                    and call["attempts"] < self.number <= call["max_attempts"])
 
 
 def _undo(rt: Runtime, key: str, owner: str, number: int) -> None:
@@ -216,29 +227,36 @@ def _take_back(rt: Runtime, key: str, owner: str, pending: PendingStart) -> None
         _undo(rt, key, owner, number)
 
 
-def _checked(call: ToolCallRow | None, now: float) -> tuple[ToolCallRow, Any, dict[str, Any]]:
-    """The checks before a queued call's attempt starts: the call, its tool and its validated
-    arguments; :class:`_CannotRun` for a call that is not queued (a duplicate delivery) or
-    must end "did not run" (or as if its attempts ran out)."""
-    if call is None or call.status != CallStatus.QUEUED.value:
+def _checked(call: Mapping[str, Any] | None,
+             now: float) -> tuple[Mapping[str, Any], Any, dict[str, Any]]:
+    """The checks before a queued call's attempt starts, on its columns as read: the columns,
+    its tool and its validated arguments; :class:`_CannotRun` for a call that is not queued
+    (a duplicate delivery) or must end "did not run" (or as if its attempts ran out)."""
+    if call is None or call["status"] != _QUEUED:
         raise _CannotRun("not queued", None)
-    if call.expires_at is not None and now > call.expires_at:
-        raise _CannotRun("it expired in the queue before a worker started it", call)
-    if call.attempts >= call.max_attempts:
-        raise _CannotRun(f"the worker was lost during each of the {call.attempts} attempts",
-                         call, exhausted=True)
-    tool = get_local_tool(call.tool)
+    expires_at = call["expires_at"]
+    if expires_at is not None and now > expires_at:
+        raise _CannotRun("it expired in the queue before a worker started it",
+                         stored_call(call))
+    attempts = call["attempts"]
+    if attempts >= call["max_attempts"]:
+        raise _CannotRun(f"the worker was lost during each of the {attempts} attempts",
+                         stored_call(call), exhausted=True)
+    name = call["tool"]
+    tool = get_local_tool(name)
     if tool is None:
-        raise _CannotRun(f"no worker that took it has the tool {call.tool!r}", call)
+        raise _CannotRun(f"no worker that took it has the tool {name!r}", stored_call(call))
     try:
-        return call, tool, tool.validate(json.loads(call.arguments))
+        return call, tool, tool.validate(json.loads(call["arguments"]))
     except InvalidArguments as err:
-        raise _CannotRun(str(err), call) from None
+        raise _CannotRun(str(err), stored_call(call)) from None
 
 
-def _start(rt: Runtime, key: str, owner: str, call: ToolCallRow | None, now: float, *,
+def _start(rt: Runtime, key: str, owner: str, call: Mapping[str, Any] | None, now: float, *,
            early: _Early | None = None, start_failed: bool = False) -> Leased | Outcome | None:
-    """:func:`claim_leased`'s steps on the call as read. ``early``: an attempt started before
+    """:func:`claim_leased`'s steps on the call's columns as read (None: no such call), which
+    are built into a :class:`ToolCallRow` once, as the call runs (or as it is when it cannot
+    run). ``early``: an attempt started before
     the read, kept if it :meth:`~_Early.fits` the call and otherwise taken back before
     anything else (a call that cannot run, or a check that fails unexpectedly, leaves no
     lease for the reaper to count as a lost attempt). ``start_failed``: the start was sent and
@@ -257,14 +275,15 @@ def _start(rt: Runtime, key: str, owner: str, call: ToolCallRow | None, now: flo
     if start_failed:
         message_lost(rt, key, "run_start_failed")
         return None
+    stored = call["attempts"]
     if early is not None:
         number = early.number
     else:
         try:
             number, counted = rt.runs.start(
-                key, owner, stored_attempts=call.attempts, max_attempts=call.max_attempts,
+                key, owner, stored_attempts=stored, max_attempts=call["max_attempts"],
                 lease_seconds=rt.settings.lease_seconds, started=now,
-                ttl=rt.settings.claim_ttl_seconds, tool=call.tool, effect=call.effect)
+                ttl=rt.settings.claim_ttl_seconds, tool=call["tool"], effect=call["effect"])
         except redis.RedisError:
             message_lost(rt, key, "run_start_failed")
             return None
@@ -274,8 +293,7 @@ def _start(rt: Runtime, key: str, owner: str, call: ToolCallRow | None, now: flo
             return None
         if number == 0:
             return exhausted_before_claim(
-                rt, call, f"the worker was lost during each of the {counted} attempts",
-                counted)
-    running = call.model_copy(update={"status": CallStatus.RUNNING.value, "attempts": number,
-                                      "worker": owner})
-    return running, tool, arguments, Attempt(owner, number, stored=call.attempts, started=now)
+                rt, stored_call(call),
+                f"the worker was lost during each of the {counted} attempts", counted)
+    running = stored_call({**call, "status": _RUNNING, "attempts": number, "worker": owner})
+    return running, tool, arguments, Attempt(owner, number, stored=stored, started=now)

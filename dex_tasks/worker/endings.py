@@ -87,8 +87,7 @@ def dump_result(value: Any) -> str:
     problem = strings_problem(value, "its result")
     if problem:
         raise ValueError(problem)
-    # allow_nan=False: NaN would be stored as JSON no other reader accepts (the API says null).
-    return json.dumps(value, default=_unserialisable, allow_nan=False)
+    return _RESULT.encode(value)
 
 
 def _depth_over(value: Any, limit: int) -> bool:
@@ -107,6 +106,13 @@ def _depth_over(value: Any, limit: int) -> bool:
 
 def _unserialisable(value: Any) -> Any:
     raise TypeError(f"tool returned a value of type {type(value).__name__}, not JSON")
+
+
+# What ``json.dumps(value, default=_unserialisable, allow_nan=False)`` writes, with its encoder
+# made once (``json.dumps`` makes one per call when given options; an encoder keeps no state
+# between calls, so one serves every thread). allow_nan=False: NaN would be stored as JSON no
+# other reader accepts (the API says null).
+_RESULT = json.JSONEncoder(default=_unserialisable, allow_nan=False)
 
 
 def did_not_run(store: Store, call: ToolCallRow, why: str) -> bool:
