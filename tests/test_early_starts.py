@@ -203,6 +203,24 @@ def test_checks_that_fail_unexpectedly_take_the_start_back(
     _nothing_in_redis(rt, key)
 
 
+@pytest.mark.parametrize("early", [True, False], ids=["started early", "started after"])
+def test_a_call_the_model_refuses_takes_its_start_back(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, early: bool) -> None:
+    # Given a queued call whose row passes the checks (they read its columns) but is refused
+    # when it is built as the running call
+    key = _call(rt)
+
+    def refused(_row: Any) -> Any:
+        raise ValueError("a row the model refuses")
+
+    monkeypatch.setattr(claiming, "stored_call", refused)
+    with pytest.raises(ValueError):
+        claim_leased(rt, key, "node-a:1", TOOL if early else None)
+
+    # Then the error goes up, and the attempt started for it is taken back
+    _nothing_in_redis(rt, key)
+
+
 def test_undo_start_takes_back_only_that_attempt(rt: Runtime) -> None:
     runs = Runs(rt.redis)
     key = f"s/t/undo-{time.time_ns()}"

@@ -207,8 +207,9 @@ class _Early:
 
 
 def _undo(rt: Runtime, key: str, owner: str, number: int) -> None:
-    """Take back an attempt started before its call was read. Redis failing here leaves the
-    run to lapse with its lease (the reaper then finds what became of its call)."""
+    """Take back an attempt this delivery started and did not run (most often one started
+    before its call was read). Redis failing here leaves the run to lapse with its lease (the
+    reaper then finds what became of its call)."""
     try:
         rt.runs.undo_start(key, owner, number, ttl=rt.settings.claim_ttl_seconds)
     except redis.RedisError as err:
@@ -295,5 +296,11 @@ def _start(rt: Runtime, key: str, owner: str, call: Mapping[str, Any] | None, no
             return exhausted_before_claim(
                 rt, stored_call(call),
                 f"the worker was lost during each of the {counted} attempts", counted)
-    running = stored_call({**call, "status": _RUNNING, "attempts": number, "worker": owner})
+    try:
+        running = stored_call({**call, "status": _RUNNING, "attempts": number, "worker": owner})
+    except BaseException:
+        # A row the model refuses (the checks read only its columns): nothing ran, and no
+        # lease is left for the reaper to count as a lost attempt.
+        _undo(rt, key, owner, number)
+        raise
     return running, tool, arguments, Attempt(owner, number, stored=stored, started=now)
